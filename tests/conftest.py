@@ -1,0 +1,40 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.manual_seed(0)
+
+
+def hf_config_dict(vocab=97, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, tied=False, rope=None,
+                   theta=10000.0, max_pos=256):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
+           "rope_theta": theta, "max_position_embeddings": max_pos, "tie_word_embeddings": tied,
+           "bos_token_id": 1, "eos_token_id": 2}
+    if rope:
+        cfg["rope_scaling"] = rope
+    return cfg
+
+
+def tiny_pair(seed=0, **kw):
+    """(our model, HF LlamaForCausalLM) on the same random fp32 weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from model import ModelConfig, build_model
+    cfg_dict = hf_config_dict(**kw)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(LlamaConfig(**cfg_dict)).float().eval()
+    with torch.no_grad():  # HF inits norms to ones; randomise them so a wrong norm shows
+        for n, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in n else 0.3) + (1.0 if "norm" in n else 0.0))
+    ours = build_model(ModelConfig.from_hf(cfg_dict), dict(hf.state_dict()), "cpu", torch.float32, "test")
+    return ours, hf
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from model import load_model
+    return load_model(None, "cpu", torch.float32)

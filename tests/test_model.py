@@ -1,0 +1,227 @@
+"""model.py against transformers.LlamaForCausalLM on the same weights."""
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import tiny_pair
+from model import (ModelConfig, ModelLoadError, build_model, load_model, make_batch, read_gguf,
+                   embedded_gguf_path, hf_reference)
+
+TOL = 2e-4  # fp32 logits; observed differences are ~5e-6
+
+
+def run_chunks(model, pool, ids, chunks, table, block_size):
+    """Feed ids in the given chunk lengths through the paged cache; return logits of every position."""
+    rows, start = [], 0
+    for n in chunks:
+        b = make_batch([(ids[start:start + n], start, table, True)], block_size)
+        b.logits_indices = torch.arange(n)
+        rows.append(model(b, pool))
+        start += n
+    return torch.cat(rows)
+
+
+def split(total, rng):
+    chunks = []
+    while total:
+        n = rng.randint(1, total)
+        chunks.append(n)
+        total -= n
+    return chunks
+
+
+rope_st = st.sampled_from([None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                           {"rope_type": "linear", "factor": 2.0}])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kv_heads=st.sampled_from([1, 2, 4]), tied=st.booleans(), rope=rope_st,
+       vocab=st.integers(5, 300), head_dim=st.sampled_from([4, 8, 16]), block_size=st.sampled_from([1, 3, 4, 16]),
+       seq_len=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_logits_match_hf_prefill_and_decode(kv_heads, tied, rope, vocab, head_dim, block_size, seq_len, seed):
+    ours, hf = tiny_pair(seed=seed, vocab=vocab, hidden=4 * head_dim, heads=4, kv_heads=kv_heads,
+                         tied=tied, rope=rope)
+    rng = random.Random(seed)
+    ids = [rng.randrange(vocab) for _ in range(seq_len)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    nblocks = -(-seq_len // block_size)
+    table = rng.sample(range(nblocks + 5), nblocks)  # any physical ids, any order
+    pool = torch.zeros(nblocks + 5, *ours.kv_block_shape(block_size))
+    whole = run_chunks(ours, pool, ids, [seq_len], table, block_size)
+    torch.testing.assert_close(whole, ref, atol=TOL, rtol=0)
+    pool.zero_()
+    stepwise = run_chunks(ours, pool, ids, split(seq_len, rng), table, block_size)  # chunks, then decodes
+    torch.testing.assert_close(stepwise, ref, atol=TOL, rtol=0)
+    pool.zero_()
+    decode = run_chunks(ours, pool, ids, [1] * seq_len, table, block_size)
+    torch.testing.assert_close(decode, ref, atol=TOL, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(block_size=st.integers(1, 9), lens=st.lists(st.integers(1, 20), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, seed):
+    """Many sequences in one flat batch, scattered over permuted blocks, equal each run densely."""
+    ours, _ = tiny_pair(seed=1)
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(97) for _ in range(n)] for n in lens]
+    dense = []
+    for s in seqs:  # dense: one sequence, one block holding everything
+        pool = torch.zeros(1, *ours.kv_block_shape(64))
+        dense.append(run_chunks(ours, pool, s, [len(s)], [0], 64))
+    need = [-(-n // block_size) for n in lens]
+    ids = rng.sample(range(sum(need) + 3), sum(need))
+    tables, pos = [], 0
+    for k in need:
+        tables.append(ids[pos:pos + k])
+        pos += k
+    pool = torch.zeros(sum(need) + 3, *ours.kv_block_shape(block_size))
+    done = [0] * len(seqs)
+    got = [[] for _ in seqs]
+    while any(d < len(s) for d, s in zip(done, seqs)):  # a mixed flat batch each step
+        step = [(i, rng.randint(1, len(s) - done[i])) for i, s in enumerate(seqs) if done[i] < len(s)]
+        b = make_batch([(seqs[i][done[i]:done[i] + n], done[i], tables[i], True) for i, n in step], block_size)
+        logits = ours(b, pool)
+        for row, (i, n) in enumerate(step):
+            if n == 1:
+                got[i].append(logits[row])
+            else:  # rerun this chunk's interior rows is costly; check its last row
+                got[i].append(None)
+                got[i].extend([None] * (n - 2))
+                got[i].append(logits[row])
+            done[i] += n
+    for i, s in enumerate(seqs):
+        for p, row in enumerate(got[i]):
+            if row is not None:
+                torch.testing.assert_close(row, dense[i][p], atol=1e-5, rtol=0)
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain what a KV cache is in one sentence.", "List three prime numbers."]
+
+
+def test_embedded_smollm_greedy_matches_hf(smollm):
+    model, tok = smollm
+    cfg, tensors = read_gguf(embedded_gguf_path())
+    hf = hf_reference(cfg, tensors)
+    hf.generation_config.eos_token_id = None  # compare 32 full tokens, past any end-of-turn
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_dict=False)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              pad_token_id=0)[0, len(ids):].tolist()
+        pool = torch.zeros(8, *model.kv_block_shape(16))
+        table, start, toks, gen = [5, 2, 7, 0, 1, 3, 4, 6], 0, ids, []
+        for _ in range(32):
+            logits = model(make_batch([(toks, start, table, True)], 16), pool)
+            start += len(toks)
+            toks = [int(logits[0].argmax())]
+            gen.append(toks[0])
+        assert gen == ref, (prompt, tok.decode(gen), tok.decode(ref))
+
+
+def test_embedded_model_knows_paris(smollm):
+    """Catches a wrong Q/K unpermutation, which HF on the same tensors would share."""
+    model, tok = smollm
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                  return_dict=False)
+    pool = torch.zeros(4, *model.kv_block_shape(16))
+    start, toks, gen = 0, ids, []
+    for _ in range(8):
+        logits = model(make_batch([(toks, start, [0, 1, 2, 3], True)], 16), pool)
+        start += len(toks)
+        toks = [int(logits[0].argmax())]
+        gen.append(toks[0])
+    assert "Paris" in tok.decode(gen)
+
+
+# ---------------------------------------------------------------- loader errors
+
+def write_checkpoint(path, cfg, tensors=None):
+    from safetensors.torch import save_file
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_hf_dir_roundtrip(tmp_path):
+    from conftest import hf_config_dict
+    ours, hf = tiny_pair(seed=3)
+    write_checkpoint(tmp_path / "ck", hf_config_dict(), {k: v.contiguous() for k, v in hf.state_dict().items()})
+    loaded, tok = load_model(str(tmp_path / "ck"), "cpu", "float32")
+    assert tok is None
+    for (n, a), b in zip(ours.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(str(tmp_path), "cpu")
+
+
+def test_missing_weights(tmp_path):
+    from conftest import hf_config_dict
+    write_checkpoint(tmp_path / "ck", hf_config_dict())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(str(tmp_path / "ck"), "cpu")
+
+
+def test_missing_tensor_named(tmp_path):
+    from conftest import hf_config_dict
+    _, hf = tiny_pair()
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    write_checkpoint(tmp_path / "ck", hf_config_dict(), sd)
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(str(tmp_path / "ck"), "cpu")
+
+
+def test_shape_mismatch_named(tmp_path):
+    from conftest import hf_config_dict
+    _, hf = tiny_pair()
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    sd["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(32, 31)
+    write_checkpoint(tmp_path / "ck", hf_config_dict(), sd)
+    with pytest.raises(ModelLoadError, match="shape mismatch.*o_proj"):
+        load_model(str(tmp_path / "ck"), "cpu")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("architectures", ["GPT2LMHeadModel"], "unsupported architecture"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("attention_bias", True, "attention_bias"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope scaling type 'yarn'"),
+    ("num_key_value_heads", 3, "multiple of num_key_value_heads"),
+])
+def test_unsupported_config_fields(field, value, match):
+    from conftest import hf_config_dict
+    cfg = hf_config_dict()
+    cfg[field] = value
+    with pytest.raises(ModelLoadError, match=match):
+        ModelConfig.from_hf(cfg)
+
+
+def test_missing_config_field():
+    from conftest import hf_config_dict
+    cfg = hf_config_dict()
+    del cfg["hidden_size"]
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_bad_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="x.gguf"):
+        load_model(str(bad), "cpu")
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(None, "cpu", "float33")
