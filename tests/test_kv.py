@@ -1,0 +1,228 @@
+"""kv.py: block accounting invariants, bitwise swap round trips, duplex safety, errors."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kv import (BlockManager, DuplexCopier, KVError, KVPools, blocks_for_budget, copy_merged,
+                copy_per_layer, merge_runs)
+
+
+class Accounting(RuleBasedStateMachine):
+    """Random appends, write-backs, rotations and frees; fences released at random times."""
+
+    @initialize(dev=st.integers(1, 24), host=st.integers(0, 24), bs=st.integers(1, 5), mirror=st.booleans())
+    def setup(self, dev, host, bs, mirror):
+        self.bm = BlockManager(dev, host, bs, mirror=mirror)
+        self.next_id = 0
+        self.in_flight_sources = set()  # device blocks read by copies not yet confirmed done
+
+    def running(self):
+        return [r for r, s in self.bm.seqs.items() if not s.on_host]
+
+    def parked(self):
+        return [r for r, s in self.bm.seqs.items() if s.on_host]
+
+    @rule(n=st.integers(1, 12))
+    def add(self, n):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        if self.bm.new_blocks_needed(rid, n) <= self.bm.device.num_free:
+            new = self.bm.append(rid, n)
+            assert not set(new) & self.in_flight_sources, "allocated a block that a copy still reads"
+
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def grow(self, data, n):
+        run = self.running()
+        if run:
+            rid = data.draw(st.sampled_from(run))
+            if self.bm.new_blocks_needed(rid, n) <= self.bm.device.num_free:
+                new = self.bm.append(rid, n)
+                assert not set(new) & self.in_flight_sources
+
+    @rule(data=st.data(), limit=st.integers(0, 4), reserve=st.integers(0, 3))
+    def writeback(self, data, limit, reserve):
+        run = self.running()
+        if run:
+            rid = data.draw(st.sampled_from(run))
+            pairs = self.bm.writeback(rid, self.bm.seqs[rid].num_tokens, limit, reserve)
+            assert len(pairs) <= limit
+            self.in_flight_sources |= {s for s, _ in pairs}
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        run = self.running()
+        if run:
+            rid = data.draw(st.sampled_from(run))
+            need, copies = self.bm.swap_out_cost(rid)
+            if need <= self.bm.host.num_free:
+                before = list(self.bm.seqs[rid].dev)
+                pairs = self.bm.swap_out(rid)
+                assert len(pairs) == copies and {s for s, _ in pairs} <= set(before)
+                self.in_flight_sources |= {s for s, _ in pairs}
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        parked = self.parked()
+        if parked:
+            rid = data.draw(st.sampled_from(parked))
+            if self.bm.blocks_for(self.bm.seqs[rid].num_tokens) <= self.bm.device.num_free:
+                pairs = self.bm.swap_in(rid)
+                assert not {d for _, d in pairs} & self.in_flight_sources, "swap-in aliases an in-flight source"
+
+    @rule(data=st.data())
+    def free(self, data):
+        if self.bm.seqs:
+            self.bm.free(data.draw(st.sampled_from(sorted(self.bm.seqs))))
+
+    @rule()
+    def copies_complete(self):
+        self.bm.next_epoch()
+        self.bm.copies_done()
+        self.in_flight_sources.clear()
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "bm"):
+            self.bm.check()
+
+    def teardown(self):
+        if hasattr(self, "bm"):
+            for rid in list(self.bm.seqs):
+                self.bm.free(rid)
+            self.bm.copies_done()
+            assert self.bm.device.num_free == self.bm.device.capacity, "device blocks leaked"
+            assert self.bm.host.num_free == self.bm.host.capacity, "host blocks leaked"
+
+
+TestAccounting = Accounting.TestCase
+TestAccounting.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bs=st.integers(1, 8), layers=st.integers(1, 4), kvh=st.integers(1, 3), hd=st.sampled_from([2, 4, 8]),
+       lens=st.lists(st.integers(1, 40), min_size=1, max_size=6), merged=st.booleans(), seed=st.integers(0, 999))
+def test_swap_out_then_in_restores_bytes(bs, layers, kvh, hd, lens, merged, seed):
+    """Rotate requests out and back in (with write-backs in between) and compare every KV byte."""
+    rng = random.Random(seed)
+    shape = (layers, 2, bs, kvh, hd)
+    need = sum(-(-n // bs) for n in lens)
+    bm = BlockManager(need + 4, need + 4, bs, mirror=merged)
+    pools = KVPools(need + 4, need + 4, shape, torch.float32, "cpu")
+    copier = DuplexCopier(pools, merged=merged)
+    rng_ids = list(range(need + 4))
+    rng.shuffle(rng_ids)
+    bm.device.free = __import__("collections").deque(rng_ids)  # scattered physical ids
+    rids = [f"r{i}" for i in range(len(lens))]
+    for rid, n in zip(rids, lens):
+        first = rng.randint(1, n)
+        for chunk in (first, n - first):
+            if chunk:
+                old = bm.seqs[rid].num_tokens if rid in bm.seqs else 0
+                bm.append(rid, chunk)
+                for b in bm.block_table(rid)[old // bs:]:
+                    pools.device[b].normal_()  # "compute" writes the blocks its new tokens land in
+                pairs = bm.writeback(rid, bm.seqs[rid].num_tokens, limit=3)
+                copier.submit(bm.next_epoch(), pairs, [])
+                bm.copies_done(copier.completed_epoch())
+    snap = {rid: pools.device[bm.block_table(rid)].clone() for rid in rids}
+    for rid in rids:
+        pairs = bm.swap_out(rid)  # plan in the current epoch, then close it
+        copier.submit(bm.next_epoch(), pairs, [])
+        bm.copies_done(copier.completed_epoch())
+    pools.device.normal_()  # the device pool is reused by others meanwhile
+    for rid in reversed(rids):
+        pairs = bm.swap_in(rid)
+        copier.submit(bm.next_epoch(), [], pairs)
+        bm.copies_done(copier.completed_epoch())
+        got = pools.device[bm.block_table(rid)]
+        assert torch.equal(got.view(torch.int32), snap[rid].view(torch.int32)), "KV bytes changed"
+    bm.check()
+
+
+def test_rotate_out_copies_only_dirty_blocks():
+    bm = BlockManager(8, 8, 4)
+    bm.append("a", 10)                                   # 3 blocks, last one partial
+    assert len(bm.writeback("a", 10, limit=10)) == 2     # the two full blocks
+    assert bm.swap_out_cost("a") == (1, 1)               # one more host block, one copy
+    pairs = bm.swap_out("a")
+    assert len(pairs) == 1
+    bm.next_epoch()
+    bm.copies_done()
+    bm.swap_in("a")
+    bm.append("a", 1)                                    # dirties only the partial block
+    assert bm.swap_out_cost("a") == (0, 1)
+
+
+def test_fenced_blocks_not_reused_until_copy_done():
+    bm = BlockManager(2, 4, 4)
+    bm.append("a", 8)
+    out = bm.swap_out("a")
+    assert {s for s, _ in out} == {0, 1}
+    assert bm.device.num_free == 0 and bm.new_blocks_needed("b", 1) == 1  # nothing to hand out yet
+    with pytest.raises(KVError, match="device pool"):
+        bm.append("b", 1)
+    bm.copies_done(bm.next_epoch())
+    assert bm.device.num_free == 2
+    bm.check()
+
+
+def test_merge_runs():
+    assert merge_runs([(3, 7), (1, 5), (2, 6), (9, 0)]) == [(1, 5, 3), (9, 0, 1)]
+    assert merge_runs([(1, 1), (2, 3)]) == [(1, 1, 1), (2, 3, 1)]
+
+
+def test_per_layer_and_merged_copy_agree():
+    src = torch.randn(6, 3, 2, 4, 2, 8)
+    a, b = torch.zeros_like(src), torch.zeros_like(src)
+    pairs = [(0, 2), (1, 3), (5, 0)]
+    assert copy_merged(src, a, pairs) == 2
+    assert copy_per_layer(src, b, pairs) == 3 * 3 * 2
+    assert torch.equal(a, b)
+
+
+def test_bad_input_errors():
+    bm = BlockManager(4, 4, 4)
+    with pytest.raises(KVError, match="unknown request 'x'"):
+        bm.free("x")
+    bm.append("a", 4)
+    bm.free("a")
+    with pytest.raises(KVError, match="freed twice"):
+        bm.free("a")
+    with pytest.raises(KVError, match="unknown request"):
+        bm.swap_out("nope")
+    with pytest.raises(KVError, match="block_size"):
+        BlockManager(4, 4, 0)
+    with pytest.raises(KVError, match="capacity"):
+        BlockManager(-1, 4, 4)
+    with pytest.raises(KVError, match="holds no block"):
+        blocks_for_budget(100, (30, 2, 16, 3, 64), torch.float32, torch.device("cpu"))
+    with pytest.raises(KVError, match="fraction"):
+        blocks_for_budget(1.5, (30, 2, 16, 3, 64), torch.float32, torch.device("cpu"))
+    with pytest.raises(KVError, match="device pool"):
+        bm.append("big", 17)
+    assert "big" not in bm.seqs or bm.seqs["big"].dev == []
+
+
+def test_budget_sizing():
+    shape = (2, 2, 4, 1, 8)
+    assert blocks_for_budget(10 * 2 * 2 * 4 * 8 * 4, shape, torch.float32, torch.device("cpu")) == 10
+    assert blocks_for_budget(0.001, shape, torch.float32, torch.device("cpu")) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_duplex_round_trip():
+    shape = (4, 2, 16, 2, 64)
+    pools = KVPools(64, 64, shape, torch.float16, "cuda")
+    assert pools.host.is_pinned()
+    pools.device.normal_()
+    copier = DuplexCopier(pools)
+    snap = pools.device[:32].clone()
+    copier.submit(0, list(zip(range(32), range(32))), [])
+    copier.submit(1, [], list(zip(range(32), range(32, 64))))
+    copier.wait_inputs()
+    copier.synchronize()
+    assert torch.equal(pools.device[32:64], snap)
+    assert copier.completed_epoch() == 1
