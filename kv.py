@@ -2,11 +2,12 @@
 
 BlockManager is pure Python (no tensors), so the scheduler, the simulator and the property tests
 share it. A request's blocks live on one tier: its device block table while RUNNING, its host
-blocks while ROTARY. With `mirror=True` (DuplexKV) a request also keeps host copies of its full
-device blocks, written back eagerly in the background, so rotating out copies only the blocks
-that are still dirty. A device block that is the source of a copy still in flight is *fenced*:
-freed, but not handed out again until the copy is known to be done, so a swap-in destination
-never aliases an in-flight swap-out source.
+blocks while ROTARY. With `duplex=True` (DuplexKV) copies run beside compute: a request keeps
+host copies of its full device blocks, written back eagerly in the background, so rotating out
+copies only the blocks that are still dirty; and a device block that is the source of a copy
+still in flight is *fenced* (freed, but not handed out until the copy is known to be done), so a
+swap-in destination never aliases an in-flight swap-out source. With `duplex=False` (vLLM v0)
+compute waits for every copy, so freed blocks are reusable at once and nothing is mirrored.
 
 Run `python kv.py --bench` for the copy benchmark (per-layer per-block vs merged vs duplex).
 """
@@ -69,10 +70,10 @@ class SeqKV:
 
 
 class BlockManager:
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, mirror: bool = True):
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, duplex: bool = True):
         if block_size <= 0:
             raise KVError(f"block_size must be positive, got {block_size}")
-        self.block_size, self.mirror = block_size, mirror
+        self.block_size, self.duplex = block_size, duplex
         self.device = BlockPool("device", num_device_blocks)
         self.host = BlockPool("host", num_host_blocks)
         self.seqs: dict[str, SeqKV] = {}
@@ -123,7 +124,7 @@ class BlockManager:
         """Plan copies of rid's full, dirty device blocks to their host mirror (at most `limit`
         blocks, leaving `reserve` host blocks free for rotations)."""
         s = self.seq(rid)
-        if not self.mirror or s.on_host:
+        if not self.duplex or s.on_host:
             return []
         full = min(computed_tokens, s.num_tokens) // self.block_size
         room = max(0, self.host.num_free - reserve)
@@ -159,7 +160,7 @@ class BlockManager:
         s.dev = self.device.allocate(rid, n)
         pairs = list(zip(s.host[:n], s.dev))
         s.on_host, s.clean = False, n
-        if not self.mirror:  # vLLM v0: host blocks are freed once swapped back in
+        if not self.duplex:  # vLLM v0: host blocks are freed once swapped back in
             self.host.release(rid, s.host)
             s.host, s.clean = [], 0
         return pairs
@@ -174,6 +175,8 @@ class BlockManager:
 
     # ------------------------------------------------------------ copy fences
     def _mark_busy(self, pairs: Pairs) -> None:
+        if not self.duplex:
+            return  # compute waits for these copies, so their sources are reusable at once
         for src, _ in pairs:
             self.busy[src] = self.epoch
 
@@ -298,11 +301,12 @@ class DuplexCopier:
     submit() launches one epoch's write-backs/swap-outs and swap-ins together; the compute stream
     waits (wait_inputs) only for this epoch's swap-ins; completed_epoch() tells the block manager
     which outgoing copies have finished so it can unfence their source blocks. Without CUDA the
-    same calls copy synchronously.
+    same calls copy synchronously. duplex=False is vLLM v0's path: per-layer per-block copies
+    that the compute stream waits for in both directions.
     """
 
-    def __init__(self, pools: KVPools, merged: bool = True):
-        self.pools, self.merged = pools, merged
+    def __init__(self, pools: KVPools, duplex: bool = True):
+        self.pools, self.duplex = pools, duplex
         self.cuda = pools.device.is_cuda
         if self.cuda:
             self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
@@ -312,7 +316,7 @@ class DuplexCopier:
         self.copies = self.blocks_moved = 0
 
     def _copy(self, src, dst, pairs: Pairs) -> None:
-        self.copies += (copy_merged if self.merged else copy_per_layer)(src, dst, pairs)
+        self.copies += (copy_merged if self.duplex else copy_per_layer)(src, dst, pairs)
         self.blocks_moved += len(pairs)
 
     def submit(self, epoch: int, out_pairs: Pairs, in_pairs: Pairs) -> None:
@@ -343,9 +347,13 @@ class DuplexCopier:
                 self.last_in_event.record(self.in_stream)
 
     def wait_inputs(self) -> None:
-        """Make the compute stream wait for this epoch's swap-ins (and nothing else)."""
-        if self.cuda and self.last_in_event is not None:
+        """Make the compute stream wait for this epoch's swap-ins (and, without duplex, swap-outs)."""
+        if not self.cuda:
+            return
+        if self.last_in_event is not None:
             torch.cuda.current_stream().wait_event(self.last_in_event)
+        if not self.duplex and self.in_flight and self.in_flight[-1][1] is not None:
+            torch.cuda.current_stream().wait_event(self.in_flight[-1][1])
 
     def completed_epoch(self) -> int:
         while self.in_flight and (self.in_flight[0][1] is None or self.in_flight[0][1].query()):
