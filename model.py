@@ -160,7 +160,7 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], bool]], block_size: i
         blocks += [table[q // block_size] for q in p]
         offs += [q % block_size for q in p]
         if n == 1:
-            dec_tables.append(table)
+            dec_tables.append(table[: -(-(start + 1) // block_size)])
             dec_lens.append(start + 1)
         else:
             prefills.append((t0, n, start + n, torch.tensor(table[: -(-(start + n) // block_size)], device=device)))
@@ -191,26 +191,28 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=False)
         self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, b: Batch) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
         T = x.shape[0]
         q, k, v = self.wqkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q = apply_rope(q.view(T, self.h, self.d), cos, sin)          # q: [T, H, D]
-        k = apply_rope(k.view(T, self.kvh, self.d), cos, sin)        # k: [T, KVH, D]
-        k_cache[b.slot_blocks, b.slot_offsets] = k                   # k_cache: [num_blocks, bs, KVH, D]
-        v_cache[b.slot_blocks, b.slot_offsets] = v.view(T, self.kvh, self.d)
+        q = apply_rope(q.view(T, self.h, self.d), cos, sin)          # q: [T, H, Dh]
+        k = apply_rope(k.view(T, self.kvh, self.d), cos, sin)        # k: [T, KVH, Dh]
+        # kv_cache: [num_blocks, 2, bs, KVH, Dh], this layer's strided view of the block-first pool
+        kv_cache[b.slot_blocks, 0, b.slot_offsets] = k
+        kv_cache[b.slot_blocks, 1, b.slot_offsets] = v.view(T, self.kvh, self.d)
         out = torch.empty_like(q)
         D = b.num_decodes
         if D:
             # gather each sequence's blocks: [D, max_blocks, bs, KVH, Dh] -> [D, KVH, S, Dh]
-            kd = k_cache[b.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            vd = v_cache[b.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            kd = kv_cache[:, 0][b.decode_block_tables].flatten(1, 2).transpose(1, 2)
+            vd = kv_cache[:, 1][b.decode_block_tables].flatten(1, 2).transpose(1, 2)
             mask = torch.arange(kd.shape[2], device=x.device) < b.decode_context_lens[:, None]
-            o = F.scaled_dot_product_attention(q[:D, :, None, :], kd, vd,
-                                               attn_mask=mask[:, None, None, :], enable_gqa=True)
-            out[:D] = o.squeeze(2)                                   # o: [D, H, 1, Dh]
+            # GQA without repeating K/V: the H/KVH query heads sharing a KV head act as its queries
+            qd = q[:D].view(D, self.kvh, self.h // self.kvh, self.d)  # [D, KVH, G, Dh]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :])
+            out[:D] = o.reshape(D, self.h, self.d)                   # o: [D, KVH, G, Dh]
         for start, n, ctx, table in b.prefills:
-            kp = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, Dh]
-            vp = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)
+            kv = kv_cache[table].transpose(0, 1).flatten(1, 2)[:, :ctx]  # [2, ctx, KVH, Dh]
+            kp, vp = kv[0].transpose(0, 1), kv[1].transpose(0, 1)        # [KVH, ctx, Dh]
             qp = q[start:start + n].transpose(0, 1)                  # [H, n, Dh]
             if n == ctx:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
@@ -241,8 +243,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, b):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, b)
+    def forward(self, x, cos, sin, kv_cache, b):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, b)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -266,7 +268,7 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, Dh]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_pool[:, i, 0], kv_pool[:, i, 1], b)
+            x = layer(x, cos, sin, kv_pool[:, i], b)
         x = self.norm(x[b.logits_indices])
         return self.lm_head(x).float()
 
@@ -317,7 +319,7 @@ def build_model(cfg: ModelConfig, hf_tensors: dict[str, Tensor], device, dtype, 
             shapes = ", ".join(f"{n} {tuple(hf_tensors[n].shape)}" for n in theirs)
             raise ModelLoadError(f"{source}: shape mismatch for {shapes}; config implies "
                                  f"{tuple(expected[ours].shape)} for {ours}")
-        state[ours] = t.to(dtype)
+        state[ours] = t.to(dtype).contiguous()
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     model.inv_freq = rope_inv_freq(cfg).to(device)
