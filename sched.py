@@ -121,11 +121,12 @@ class RotaSched(Policy):
     """Largest-Virtual-Lag-First rotation with DuplexKV (the paper's RotaSched)."""
     name, preempt, duplex = "rotasched", "swap", True
 
-    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0):
+    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0, duplex: bool = True):
         for n, v in (("alpha", alpha), ("beta_f", beta_f), ("beta_b", beta_b)):
             if v < 0:
                 raise ValueError(f"{n} must be >= 0, got {v}")
         self.alpha, self.beta_f, self.beta_b = alpha, beta_f, beta_b
+        self.duplex = duplex  # False: the ablation with vLLM v0's per-layer per-block copies
         self.ttft_slo, self.tbt_slo = 5.0, 0.1   # set by the scheduler
 
     def vlt(self, r: Request, now: float) -> float:
@@ -173,8 +174,8 @@ class RotaSchedReleased(RotaSched):
     """The released code's simpler variant: alpha=1, beta=0, queues ordered by time spent in them."""
     name = "rotasched-released"
 
-    def __init__(self, alpha: float = 1.0, beta_f: float = 0.0, beta_b: float = 0.0):
-        super().__init__(alpha, beta_f, beta_b)
+    def __init__(self, alpha: float = 1.0, beta_f: float = 0.0, beta_b: float = 0.0, duplex: bool = True):
+        super().__init__(alpha, beta_f, beta_b, duplex)
 
     def vlt(self, r, now):
         if r.status is Status.RUNNING:

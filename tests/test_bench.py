@@ -1,0 +1,85 @@
+"""bench.py: metric functions on hand-worked examples, the trace parser, a tiny end-to-end run."""
+import json
+
+import pytest
+
+import bench
+from bench import Item, TraceError, percentile, read_trace, summarize, synthetic_workload, trace_workload, with_rate
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 50) == 2.5
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile(xs, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_summarize_hand_worked():
+    # request A: arrives 0, tokens at 1.0, 1.1, 1.3 -> TTFT 1.0, gaps 0.1 0.2, TPOT 0.15
+    # request B: arrives 0.5, one token at 3.5 -> TTFT 3.0, no gaps, TPOT 0 (one output token)
+    recs = [(0.0, [1.0, 1.1, 1.3]), (0.5, [3.5])]
+    s = summarize(recs, ttft_slo=2.0, tbt_slo=0.16)
+    assert s["num_requests"] == 2
+    assert s["ttft_mean_s"] == pytest.approx(2.0) and s["ttft_p50_s"] == pytest.approx(2.0)
+    assert s["ttft_attainment"] == 0.5
+    assert s["tbt_attainment"] == 0.5           # 0.1 ok, 0.2 not
+    assert s["duration_s"] == pytest.approx(3.5)
+    assert s["goodput_req_s"] == pytest.approx(1 / 3.5)   # only A meets TTFT and TPOT (0.15 <= 0.16)
+    assert s["throughput_tok_s"] == pytest.approx(4 / 3.5)
+    assert s["e2e_p99_s"] == pytest.approx(1.3 + 0.99 * 1.7)  # e2e 1.3 and 3.0
+    tight = summarize(recs, ttft_slo=2.0, tbt_slo=0.16, tpot_slo=0.1)
+    assert tight["goodput_req_s"] == 0.0
+
+
+def write(tmp_path, text):
+    p = tmp_path / "t.csv"
+    p.write_text(text)
+    return str(p)
+
+
+def test_trace_parser_good(tmp_path):
+    rows = read_trace(write(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                      "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n"))
+    assert rows[0] == (0.0, 374, 44) and rows[1][0] == pytest.approx(4.314579, abs=1e-5)
+    items = trace_workload(rows, 2, length_scale=0.5)
+    assert [(i.prompt_len, i.output_len) for i in items] == [(187, 22), (198, 54)]
+    assert with_rate(items, 2.0)[1].arrival == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("a,b,c\n", r"t.csv:1: expected header"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:47.00,x,1\n",
+     r"t.csv:3: cannot parse"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,0,44\n", r"t.csv:2: token counts"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", r"t.csv:2: cannot parse"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+])
+def test_trace_parser_errors(tmp_path, text, match):
+    with pytest.raises(TraceError, match=match):
+        read_trace(write(tmp_path, text))
+
+
+def test_real_trace_and_synthetic_arrivals():
+    rows = read_trace(bench.DEFAULT_TRACE)
+    assert len(rows) == 19366
+    items = synthetic_workload(2000, rate=4.0, burstiness=1.0, prompt_lens=[8], output_lens=[4], seed=1)
+    rate = (len(items) - 1) / items[-1].arrival
+    assert 3.6 < rate < 4.4  # Poisson at 4 req/s
+    bursty = synthetic_workload(2000, rate=4.0, burstiness=0.25, prompt_lens=[8], output_lens=[4], seed=1)
+    gaps = [b.arrival - a.arrival for a, b in zip(bursty, bursty[1:])]
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert cv > 1.5  # gamma shape 0.25 has CV 2
+
+
+def test_tiny_end_to_end_json(tmp_path):
+    out = tmp_path / "r.json"
+    bench.main(["--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
+                "--rates", "8", "--policies", "fcfs,rotasched", "--device-blocks", "4", "--block-size", "8",
+                "--max-num-seqs", "2", "--max-batched-tokens", "32", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["fcfs", "rotasched"]
+    for r in rows:
+        assert set(bench.JSON_KEYS) <= set(r) and r["num_requests"] == 4 and r["rate"] == 8.0
+        assert 0 <= r["ttft_attainment"] <= 1 and r["throughput_tok_s"] > 0

@@ -1,0 +1,79 @@
+"""sim.py: the cost model on hand-computed cases, determinism, scheduler invariants under it."""
+import pytest
+
+from kv import BlockManager
+from sched import Request, Scheduler, make_policy
+from sim import MODELS, PROFILES, CostModel, Hardware, ModelSpec, poisson_requests, run_policy, simulate
+from test_sched import check_step
+
+
+def test_model_sizes():
+    m = MODELS["llama-3-8b"]
+    assert 7.9e9 < m.weight_bytes / 2 < 8.1e9                 # 8.03B parameters in bf16
+    assert m.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2        # 128 KiB per token
+    assert 12.5e9 < MODELS["mixtral-8x7b"].active_flops_per_token() / 2 < 13.5e9  # ~12.9B active
+    assert 0.26e9 < MODELS["smollm2-135m"].active_flops_per_token() < 0.28e9
+
+
+def test_decode_at_batch_1_is_weight_bandwidth_bound():
+    hw, m = PROFILES["gh200"], MODELS["llama-3-8b"]
+    c = CostModel(m, hw)
+    t = c.compute_time(tokens=1, ctx_tokens=100, attn_pairs=100)
+    assert t == pytest.approx((m.weight_bytes + 101 * m.kv_bytes_per_token) / (hw.hbm_bw * hw.mbu))
+    big = c.compute_time(tokens=8192, ctx_tokens=0, attn_pairs=8192 * 4096)
+    assert big > 8192 * m.active_flops_per_token() / (hw.flops * hw.mfu)  # prefill is compute-bound
+
+
+def test_merged_vs_per_layer_transfer():
+    hw, m = PROFILES["gh200"], MODELS["llama-3-8b"]
+    c = CostModel(m, hw)
+    n = 100
+    merged = c.transfer_time(n, 0, 1, 0, duplex=True)
+    per_layer = c.transfer_time(n, 0, 2 * m.layers * n, 0, duplex=False)
+    assert merged == pytest.approx(hw.copy_overhead + n * c.block_bytes / hw.link_bw)
+    assert per_layer == pytest.approx(2 * m.layers * n * hw.copy_overhead + n * c.block_bytes / hw.link_bw)
+    seg = c.block_bytes / (2 * m.layers)                       # 32 KiB per layer copy
+    assert n * c.block_bytes / per_layer / 1e9 < 12            # ~10 GB/s, as measured for naive copies
+    assert n * c.block_bytes / merged / 1e9 > 190              # ~200 GB/s merged
+    both = c.transfer_time(n, n, 1, 1, duplex=True)
+    assert both == pytest.approx(2 * n * c.block_bytes / hw.duplex_bw)  # capped by the duplex limit
+    assert seg == 32 * 1024
+
+
+def test_simulation_is_deterministic():
+    c = CostModel(MODELS["llama-3-8b"], PROFILES["h100-pcie"])
+    lengths = [(500, 100), (2000, 300), (100, 20)]
+    reqs = poisson_requests(20.0, 10.0, lengths, seed=3)
+    a = run_policy("rotasched", reqs, c, ttft_slo=5.0, tbt_slo=0.1)
+    b = run_policy("rotasched", poisson_requests(20.0, 10.0, lengths, seed=3), c, ttft_slo=5.0, tbt_slo=0.1)
+    assert a == b and a["num_requests"] == len(reqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap", "rotasched", "rotasched-released"])
+def test_invariants_hold_under_the_cost_model(policy):
+    c = CostModel(MODELS["llama-3-8b"], PROFILES["gh200"])
+    p = make_policy(policy)
+    bm = BlockManager(400, 4000, 16, duplex=p.duplex)   # a small pool so that rotation happens
+    s = Scheduler(bm, p, max_num_seqs=64, max_num_batched_tokens=1024, ttft_slo=2.0, tbt_slo=0.1)
+    reqs = poisson_requests(40.0, 5.0, [(300, 200), (1500, 100), (50, 400)], seed=1)
+    done, rejected = simulate(s, reqs, lambda plan: c.step_time(plan, p.duplex),
+                              on_step=lambda plan, now: check_step(s, plan))
+    assert len(done) == len(reqs) and not rejected
+
+
+@pytest.mark.parametrize("kw,match", [({"flops": 0}, "flops"), ({"mfu": 1.5}, "mfu"),
+                                      ({"duplex_bw": 1.0}, "duplex_bw"), ({"copy_overhead": -1}, "overheads")])
+def test_bad_hardware(kw, match):
+    base = dict(name="x", flops=1e12, hbm_bw=1e12, hbm_bytes=8e9, host_bytes=8e9, link_bw=1e10, duplex_bw=2e10,
+                copy_overhead=1e-6, step_overhead=1e-3)
+    with pytest.raises(ValueError, match=match):
+        Hardware(**(base | kw))
+
+
+def test_bad_model_and_fit():
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelSpec("bad", 2, 64, 4, 3, 128, 100)
+    with pytest.raises(ValueError, match="layers"):
+        ModelSpec("bad", 0, 64, 4, 2, 128, 100)
+    with pytest.raises(ValueError, match="does not fit"):
+        CostModel(MODELS["qwen2.5-32b"], Hardware("tiny", 1e12, 1e12, 16e9, 8e9, 1e10, 2e10, 1e-6, 1e-3))
