@@ -121,12 +121,14 @@ class RotaSched(Policy):
     """Largest-Virtual-Lag-First rotation with DuplexKV (the paper's RotaSched)."""
     name, preempt, duplex = "rotasched", "swap", True
 
-    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0, duplex: bool = True):
-        for n, v in (("alpha", alpha), ("beta_f", beta_f), ("beta_b", beta_b)):
+    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0, duplex: bool = True,
+                 quantum: float | None = None):
+        for n, v in (("alpha", alpha), ("beta_f", beta_f), ("beta_b", beta_b), ("quantum", quantum or 0)):
             if v < 0:
                 raise ValueError(f"{n} must be >= 0, got {v}")
         self.alpha, self.beta_f, self.beta_b = alpha, beta_f, beta_b
-        self.duplex = duplex  # False: the ablation with vLLM v0's per-layer per-block copies
+        self.duplex = duplex    # False: the ablation with vLLM v0's per-layer per-block copies
+        self.quantum = quantum  # seconds a request runs before it may be rotated out; None: 5 x S_TBT
         self.ttft_slo, self.tbt_slo = 5.0, 0.1   # set by the scheduler
 
     def vlt(self, r: Request, now: float) -> float:
@@ -145,10 +147,14 @@ class RotaSched(Policy):
         if not queued or sum(s.footprint(r) for r in queued) <= s.bm.device.num_free:
             return  # everyone fits: behave as FCFS
         order = sorted(s.waiting + s.rotary + s.running, key=lambda r: self.key(r, now))
-        # victims: running decodes that made progress since admission (no rotation livelock),
-        # longest-running first, small enough to come back within one step's transfer budget
+        # victims: running decodes that made progress and ran a full time slice since admission
+        # (no rotation livelock; each rotation costs its victim a token gap, so slices are not
+        # shorter than a few TBT SLOs), longest-running first, small enough to come back within
+        # one step's transfer budget
+        quantum = self.tbt_slo * 5 if self.quantum is None else self.quantum
         victims = [r for r in reversed(order) if r.status is Status.RUNNING and self.vlt(r, now) < 0
-                   and r.in_decode and r.tokens_since_admit > 0 and s.bm.num_blocks(r.rid) <= s.xfer_budget]
+                   and r.in_decode and r.tokens_since_admit > 0 and now - r.t_admitted >= quantum
+                   and s.bm.num_blocks(r.rid) <= s.xfer_budget]
         free, seats, moves = s.bm.device.num_free, s.max_num_seqs - len(s.running), 0
         for r in [r for r in order if r.status is not Status.RUNNING]:
             if r.status is Status.WAITING and s.hold_new(r):
@@ -174,8 +180,9 @@ class RotaSchedReleased(RotaSched):
     """The released code's simpler variant: alpha=1, beta=0, queues ordered by time spent in them."""
     name = "rotasched-released"
 
-    def __init__(self, alpha: float = 1.0, beta_f: float = 0.0, beta_b: float = 0.0, duplex: bool = True):
-        super().__init__(alpha, beta_f, beta_b, duplex)
+    def __init__(self, alpha: float = 1.0, beta_f: float = 0.0, beta_b: float = 0.0, duplex: bool = True,
+                 quantum: float | None = None):
+        super().__init__(alpha, beta_f, beta_b, duplex, quantum)
 
     def vlt(self, r, now):
         if r.status is Status.RUNNING:
