@@ -171,7 +171,7 @@ def serve(engine, items: list[Item], prompts: list[list[int]], label: str = "") 
     order = sorted(range(len(items)), key=lambda i: items[i].arrival)
     t0 = time.perf_counter() + 0.01
     rids, nxt, prog = [], 0, Progress(label, len(items))
-    done = 0
+    done, busy = 0, 0.0
     while nxt < len(order) or engine.has_unfinished():
         now = time.perf_counter()
         while nxt < len(order) and t0 + items[order[nxt]].arrival <= now:
@@ -180,7 +180,9 @@ def serve(engine, items: list[Item], prompts: list[list[int]], label: str = "") 
                                                                       ignore_eos=True), arrival_time=t0 + items[i].arrival))
             nxt += 1
         if engine.has_unfinished():
+            t = time.perf_counter()
             done += sum(ev.finished for ev in engine.step())
+            busy += time.perf_counter() - t
             prog.update(done)
         elif nxt < len(order):
             time.sleep(max(0.0, t0 + items[order[nxt]].arrival - time.perf_counter()))
@@ -189,7 +191,8 @@ def serve(engine, items: list[Item], prompts: list[list[int]], label: str = "") 
     for rid in rids:
         o = engine.output(rid)
         records.append((o.metrics.arrival_time, o.metrics.token_times))
-    return records, engine.stats()
+    stats = engine.stats()
+    return records, stats | {"mean_step_ms": 1e3 * busy / max(1, stats["steps"])}
 
 
 def serve_hf(hf, items: list[Item], prompts: list[list[int]], num_blocks: int, block_size: int,
@@ -262,7 +265,10 @@ def verdict(rows: list[dict], base: str = "fcfs", ours: str = "rotasched") -> li
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -357,15 +363,35 @@ def run_serving(args) -> list[dict]:
                 eng = Engine(model, tok, policy=pol, **engine_kw, **sched_kw)
                 recs, stats = serve(eng, timed, prompts, f"{pol} @ {rate}/s")
             row = {"policy": pol, "rate": rate, **summarize(recs, ttft_slo, tbt_slo, args.tpot_slo or tbt_slo),
-                   "rotations": stats["rotations"], "bytes_moved": stats["bytes_moved"]}
+                   "rotations": stats["rotations"], "bytes_moved": stats["bytes_moved"],
+                   "mean_step_ms": stats.get("mean_step_ms", float("nan"))}
             results.append(row)
             print(f"  {pol:<20} rate {rate:5.2f}: TTFT att {row['ttft_attainment']:6.1%}  TBT att "
-                  f"{row['tbt_attainment']:6.1%}  {row['throughput_tok_s']:6.1f} tok/s  rotations {row['rotations']}",
-                  flush=True)
+                  f"{row['tbt_attainment']:6.1%}  {row['throughput_tok_s']:6.1f} tok/s  rotations {row['rotations']}"
+                  f"  step {row['mean_step_ms']:.0f}ms", flush=True)
+            if args.validate_sim and pol != "hf":
+                results[-1]["sim"] = validate_row(row, timed, dev_blocks, args, ttft_slo, tbt_slo)
     print_table(results, (ttft_slo, tbt_slo))
     for line in verdict(results):
         print(line)
     return results
+
+
+def validate_row(real: dict, items: list[Item], dev_blocks: int, args, ttft_slo: float, tbt_slo: float) -> dict:
+    """The same workload through sim.py's `cpu` profile: how far is the cost model from this machine?"""
+    import sim
+    from sched import Request
+    if not hasattr(validate_row, "cost"):
+        validate_row.cost = sim.CostModel(sim.MODELS["smollm2-135m"], sim.cpu_profile(), args.block_size,
+                                          device_blocks=dev_blocks, host_blocks=args.host_blocks)
+    reqs = [Request(f"v{i}", it.prompt_len, it.output_len, it.arrival) for i, it in enumerate(items)]
+    row = sim.run_policy(real["policy"], reqs, validate_row.cost, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                         xfer_budget=args.xfer_budget)
+    print(f"  {'  sim (cpu profile)':<20}            TTFT att {row['ttft_attainment']:6.1%}  TBT att "
+          f"{row['tbt_attainment']:6.1%}  {row['throughput_tok_s']:6.1f} tok/s  rotations {row['rotations']}"
+          f"  step {row['mean_step_ms']:.0f}ms ({row['mean_step_ms'] / real['mean_step_ms'] - 1:+.0%})", flush=True)
+    return {k: row[k] for k in ("ttft_attainment", "tbt_attainment", "throughput_tok_s", "rotations", "mean_step_ms")}
 
 
 # ---------------------------------------------------------------- speed: model and engine vs HF
@@ -507,12 +533,16 @@ def main(argv=None) -> None:
     ap.add_argument("--speed-prompt", type=int, default=128)
     ap.add_argument("--speed-requests", type=int, default=32)
     ap.add_argument("--sim", default=None, metavar="HW", help="simulate on a hardware profile (see sim.py)")
-    args, rest = ap.parse_known_args(argv)
-    if args.sim:
+    ap.add_argument("--validate-sim", action="store_true",
+                    help="also run each workload through sim.py's cpu profile and report the difference")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--sim" in argv:  # everything else goes to sim.py's own options
         import sim
-        return sim.main(["--hw", args.sim] + rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        i = argv.index("--sim")
+        if i + 1 >= len(argv):
+            ap.error("--sim needs a hardware profile, e.g. --sim gh200")
+        return sim.main(["--hw", argv[i + 1]] + argv[:i] + argv[i + 2:])
+    args = ap.parse_args(argv)
     if args.speed:
         run_speed(args)
         return

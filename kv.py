@@ -114,7 +114,8 @@ class BlockManager:
         """Give rid KV slots for n more tokens on device; returns the newly allocated blocks."""
         s = self.seqs.setdefault(rid, SeqKV([], []))
         assert not s.on_host, f"{rid} is parked on host"
-        new = self.device.allocate(rid, self.new_blocks_needed(rid, n))
+        need = self.blocks_for(s.num_tokens + n) - len(s.dev)
+        new = self.device.allocate(rid, need) if need > 0 else []
         s.dev += new
         s.clean = min(s.clean, s.num_tokens // self.block_size)  # the block the next token lands in
         s.num_tokens += n
@@ -124,9 +125,9 @@ class BlockManager:
         """Plan copies of rid's full, dirty device blocks to their host mirror (at most `limit`
         blocks, leaving `reserve` host blocks free for rotations)."""
         s = self.seq(rid)
-        if not self.duplex or s.on_host:
-            return []
         full = min(computed_tokens, s.num_tokens) // self.block_size
+        if not self.duplex or s.on_host or full <= s.clean:
+            return []
         room = max(0, self.host.num_free - reserve)
         upto = s.clean
         while upto < full and upto - s.clean < limit and (upto < len(s.host) or room > 0):

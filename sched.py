@@ -11,7 +11,9 @@ says how it preempts, and may rotate proactively.
 """
 from __future__ import annotations
 
+import bisect
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -143,10 +145,14 @@ class RotaSched(Policy):
         return (-self.vlt(r, now), r.arrival, r.rid)
 
     def rotate(self, s: "Scheduler", now: float) -> None:
-        queued = s.waiting + s.rotary
-        if not queued or sum(s.footprint(r) for r in queued) <= s.bm.device.num_free:
+        need, free = 0, s.bm.device.num_free
+        for r in s.waiting + s.rotary:
+            need += s.footprint(r)
+            if need > free:
+                break
+        else:
             return  # everyone fits: behave as FCFS
-        order = sorted(s.waiting + s.rotary + s.running, key=lambda r: self.key(r, now))
+        order = s.queue_order(now) + sorted(s.running, key=lambda r: self.key(r, now))
         # victims: running decodes that made progress and ran a full time slice since admission
         # (no rotation livelock; each rotation costs its victim a token gap, so slices are not
         # shorter than a few TBT SLOs), longest-running first, small enough to come back within
@@ -229,6 +235,7 @@ class Scheduler:
         self.steps = 0
         self.log = open(log_path, "w") if log_path else None
         self._plan: StepPlan | None = None
+        self._order: list[Request] | None = None
         self.xfer_left = xfer_budget
 
     # ------------------------------------------------------------ requests in and out
@@ -285,6 +292,7 @@ class Scheduler:
         self.rotary.append(r)
         r.status, r.t_queued, r.rotations = Status.ROTARY, now, r.rotations + 1
         self._plan.rotated_out.append(r.rid)
+        self._enqueue(r, now)
 
     def recompute(self, r: Request, now: float) -> None:
         self.bm.free(r.rid)
@@ -292,6 +300,11 @@ class Scheduler:
         self.waiting.append(r)
         r.status, r.num_computed, r.t_queued, r.recomputes = Status.WAITING, 0, now, r.recomputes + 1
         self._plan.preempted.append(r.rid)
+        self._enqueue(r, now)
+
+    def _enqueue(self, r: Request, now: float) -> None:
+        if self._order is not None:
+            bisect.insort(self._order, r, key=lambda q: self.policy.key(q, now))
 
     def preempt(self, r: Request, now: float) -> None:
         host_need, copies = self.bm.swap_out_cost(r.rid)
@@ -302,17 +315,23 @@ class Scheduler:
             self.recompute(r, now)
 
     # ------------------------------------------------------------ one step
+    def queue_order(self, now: float) -> list[Request]:
+        """Waiting and rotary requests, most urgent first (sorted once per step)."""
+        if self._order is None:
+            self._order = sorted(self.waiting + self.rotary, key=lambda r: self.policy.key(r, now))
+        return self._order
+
     def schedule(self, now: float) -> StepPlan:
         plan = self._plan = StepPlan(self.bm.epoch, now, [], [], [])
-        self.xfer_left = self.xfer_budget
+        self.xfer_left, self._order = self.xfer_budget, None
         key = lambda r: self.policy.key(r, now)
         self.policy.rotate(self, now)
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         # 1. running requests, decodes first, then prefill chunks; preempt the worst on a block shortfall
-        queue = sorted(self.running, key=lambda r: (not r.in_decode, key(r)))
+        queue = deque(sorted(self.running, key=lambda r: (not r.in_decode, key(r))))
         while queue and budget > 0:
-            r = queue.pop(0)
+            r = queue.popleft()
             n = min(r.num_tokens - r.num_computed, budget)
             while self.bm.new_blocks_needed(r.rid, n) > self.bm.device.num_free:
                 if self.bm.new_blocks_needed(r.rid, n) <= self.bm.device.num_free + len(self.bm.fenced):
@@ -333,11 +352,12 @@ class Scheduler:
                 scheduled.add(r.rid)
                 budget -= n
         # 2. admit rotary and waiting requests in policy order while they fit
+        order = self.queue_order(now)
         if self.policy.resume_rotary_first:
-            queue = sorted(self.rotary, key=key) + sorted(self.waiting, key=key)
-        else:
-            queue = sorted(self.waiting + self.rotary, key=key)
-        for r in queue:
+            order = [r for r in order if r.status is Status.ROTARY] + [r for r in order if r.status is Status.WAITING]
+        for r in order:
+            if r.status not in (Status.WAITING, Status.ROTARY) or r.rid in plan.rotated_out:
+                continue  # admitted already, or rotated out this very step
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if r.status is Status.WAITING and self.policy.resume_rotary_first and self.rotary:
@@ -383,8 +403,7 @@ class Scheduler:
     def _run(self, r: Request, n: int) -> None:
         assert self.bm.seqs[r.rid].num_tokens == r.num_computed if r.rid in self.bm.seqs else r.num_computed == 0
         self.bm.append(r.rid, n)
-        r_chunks = self._plan.chunks
-        r_chunks.append((r, n))
+        self._plan.chunks.append((r, n))
 
     def _check(self, plan: StepPlan) -> None:
         assert plan.num_tokens <= self.max_num_batched_tokens, "token budget exceeded"

@@ -184,15 +184,16 @@ def cpu_profile(measure: bool = True) -> Hardware:
 # ---------------------------------------------------------------- the cost model
 
 class CostModel:
-    def __init__(self, model: ModelSpec, hw: Hardware, block_size: int = 16):
+    def __init__(self, model: ModelSpec, hw: Hardware, block_size: int = 16, device_blocks: int | None = None,
+                 host_blocks: int | None = None):
         self.m, self.hw, self.block_size = model, hw, block_size
         self.block_bytes = model.kv_bytes_per_token * block_size
         free = hw.hbm_bytes * hw.kv_fraction - model.weight_bytes
         if free < self.block_bytes:
             raise ValueError(f"{model.name} ({model.weight_bytes / GB:.1f} GB of weights) does not fit {hw.name} "
                              f"({hw.hbm_bytes / GB:.0f} GB HBM)")
-        self.device_blocks = int(free // self.block_bytes)
-        self.host_blocks = int(hw.host_bytes // self.block_bytes)
+        self.device_blocks = device_blocks or int(free // self.block_bytes)
+        self.host_blocks = host_blocks or int(hw.host_bytes // self.block_bytes)
 
     def compute_time(self, tokens: int, ctx_tokens: int, attn_pairs: float) -> float:
         """tokens computed this step; ctx_tokens = KV tokens read; attn_pairs = sum of query x key pairs."""
@@ -251,13 +252,15 @@ def poisson_requests(rate: float, duration: float, lengths: list[tuple[int, int]
 
 
 def run_policy(policy: str, requests: list[Request], cost: CostModel, *, ttft_slo: float, tbt_slo: float,
-               max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192, xfer_budget: int = 2400) -> dict:
+               max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192, xfer_budget: int = 2400,
+               keep: list[Request] | None = None) -> dict:
+    """Simulate one policy on fresh copies of `requests` (or, with keep=requests, on those objects)."""
     name, _, variant = policy.partition(":")
     pol = make_policy(name, **({"duplex": False} if variant == "per-layer" else {}))
     bm = BlockManager(cost.device_blocks, cost.host_blocks, cost.block_size, duplex=pol.duplex)
     s = Scheduler(bm, pol, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   xfer_budget=xfer_budget, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
-    fresh = [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival) for r in requests]
+    fresh = keep if keep is not None else [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival) for r in requests]
     moved, steps, busy = [0], [0], [0.0]
 
     def step_time(plan):
@@ -274,12 +277,16 @@ def run_policy(policy: str, requests: list[Request], cost: CostModel, *, ttft_sl
                   "steps": steps[0], "mean_step_ms": 1e3 * busy[0] / max(1, steps[0]), "rejected": len(rejected)}
 
 
-def saturation_rate(cost: CostModel, lengths, seed: int, ttft_slo: float, tbt_slo: float, n: int = 400) -> float:
-    """Requests/s the simulated machine sustains with everyone queued at once (fcfs)."""
+def saturation_rate(cost: CostModel, lengths, seed: int, ttft_slo: float, tbt_slo: float, n: int = 1000,
+                    **sched_kw) -> float:
+    """Requests/s the simulated machine completes with a deep queue (fcfs, everyone queued at once),
+    measured between the 10th and the 90th percentile completion, away from ramp-up and tail."""
     rng = random.Random(seed)
     reqs = [Request(f"s{i}", *rng.choice(lengths), 0.0) for i in range(n)]
-    row = run_policy("fcfs", reqs, cost, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
-    return row["request_throughput"]
+    run_policy("fcfs", reqs, cost, ttft_slo=ttft_slo, tbt_slo=tbt_slo, keep=reqs, **sched_kw)
+    ends = sorted(r.token_times[-1] for r in reqs if r.token_times)
+    lo, hi = len(ends) // 10, len(ends) * 9 // 10
+    return (hi - lo) / (ends[hi] - ends[lo])
 
 
 def main(argv=None) -> None:
@@ -318,7 +325,8 @@ def main(argv=None) -> None:
     if args.rates:
         rates = [float(r) for r in args.rates.split(",")]
     else:
-        sat = saturation_rate(cost, lengths, args.seed, args.ttft_slo, args.tbt_slo)
+        sat = saturation_rate(cost, lengths, args.seed, args.ttft_slo, args.tbt_slo, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_batched_tokens, xfer_budget=args.xfer_budget)
         rates = [round(sat * float(f), 2) for f in args.rate_factors.split(",")]
         print(f"saturation {sat:.2f} req/s -> rates {rates}")
     rows = []
