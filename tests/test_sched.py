@@ -131,15 +131,20 @@ def test_victim_choice(policy, victim, how):
     pytest.fail("no preemption happened")
 
 
-def test_rotasched_rotates_longest_running_decode():
+def rotation_setup():
+    """Three running decodes fill a 7-block pool; r1 has run longest; a new request arrives."""
     s = make_sched("rotasched", dev=7, host=64, bs=4, max_num_seqs=8, max_num_batched_tokens=64)
     for i in range(3):
         s.add(Request(f"r{i}", 8, 16, 0.0))
     plan = s.schedule(0.0)
     s.update(plan, {r.rid: 0 for r, _ in plan.chunks}, 0.1)
-    s.requests["r1"].t_admitted = -5.0  # r1 has run longest
+    s.requests["r1"].t_admitted = -5.0  # past its time slice (5 x S_TBT); r0 and r2 are not
     s.add(Request("new", 8, 4, 0.2))
-    plan = s.schedule(0.3)
+    return s, s.schedule(0.3)
+
+
+def test_rotasched_rotates_longest_running_decode():
+    s, plan = rotation_setup()
     assert plan.rotated_out == ["r1"]
     s.update(plan, {r.rid: 0 for r, _ in plan.chunks}, 0.4)
     assert s.bm.fenced  # r1's dirty blocks are being copied out: not reusable yet
@@ -191,13 +196,7 @@ def test_full_host_holds_new_requests_back():
 
 
 def test_abort_frees_both_tiers():
-    s = make_sched("rotasched", dev=7, host=64, bs=4, max_num_seqs=8, max_num_batched_tokens=64)
-    for i in range(3):
-        s.add(Request(f"r{i}", 8, 16, 0.0))
-    plan = s.schedule(0.0)
-    s.update(plan, {r.rid: 0 for r, _ in plan.chunks}, 0.1)
-    s.add(Request("new", 8, 4, 0.2))
-    plan = s.schedule(0.3)
+    s, plan = rotation_setup()
     rotated = plan.rotated_out[0]
     s.bm.copies_done()
     for rid in list(s.requests):
