@@ -178,7 +178,7 @@ def cpu_profile(measure: bool = True) -> Hardware:
         for _ in range(5):
             y.copy_(x)
         bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
-    return Hardware("cpu", flops, 2 * bw, 4 * GB, 8 * GB, bw, bw, 2e-6, 4e-3, mfu=0.35, mbu=0.6)
+    return Hardware("cpu", flops, 2 * bw, 4 * GB, 8 * GB, bw, bw, 2e-6, 4e-3, mfu=0.4, mbu=0.6)
 
 
 # ---------------------------------------------------------------- the cost model
