@@ -136,8 +136,9 @@ class Batch:
     slot_offsets: Tensor         # [T]
     num_decodes: int
     decode_block_tables: Tensor  # [D, max_blocks] (padded with block 0)
-    decode_context_lens: Tensor  # [D]
-    prefills: list[tuple[int, int, int, Tensor]]  # (start in batch, chunk length, context length, block table)
+    decode_mask: Tensor          # [D, 1, 1, max_blocks * bs]: which gathered slots hold context
+    prefills: list[tuple[int, int, int, Tensor, Tensor | None]]  # (start in batch, chunk length,
+    #                              context length, block table, mask [n, ctx] or None when causal from 0)
     logits_indices: Tensor       # [S] rows of the batch whose next-token logits are wanted
 
 
@@ -162,14 +163,17 @@ def make_batch(seqs: list[tuple[list[int], int, list[int], bool]], block_size: i
         if n == 1:
             dec_tables.append(table[: -(-(start + 1) // block_size)])
             dec_lens.append(start + 1)
-        else:
-            prefills.append((t0, n, start + n, torch.tensor(table[: -(-(start + n) // block_size)], device=device)))
+        else:  # a later chunk: query i sits at position start + i and sees keys 0 .. start + i
+            ctx = start + n
+            mask = torch.ones(n, ctx, dtype=torch.bool, device=device).tril(start) if start else None
+            prefills.append((t0, n, ctx, torch.tensor(table[: -(-ctx // block_size)], device=device), mask))
         last_row[i] = t0 + n - 1
     width = max((len(t) for t in dec_tables), default=0)
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    dec_mask = torch.arange(width * block_size, device=device) < t(dec_lens)[:, None]
     return Batch(t(ids), t(pos), t(blocks), t(offs), len(dec_tables),
                  t([tb + [0] * (width - len(tb)) for tb in dec_tables]).reshape(len(dec_tables), width),
-                 t(dec_lens), prefills, t([last_row[i] for i, s in enumerate(seqs) if s[3]]))
+                 dec_mask[:, None, None, :], prefills, t([last_row[i] for i, s in enumerate(seqs) if s[3]]))
 
 
 # ---------------------------------------------------------------- the model
@@ -205,20 +209,16 @@ class Attention(nn.Module):
             # gather each sequence's blocks: [D, max_blocks, bs, KVH, Dh] -> [D, KVH, S, Dh]
             kd = kv_cache[:, 0][b.decode_block_tables].flatten(1, 2).transpose(1, 2)
             vd = kv_cache[:, 1][b.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            mask = torch.arange(kd.shape[2], device=x.device) < b.decode_context_lens[:, None]
             # GQA without repeating K/V: the H/KVH query heads sharing a KV head act as its queries
             qd = q[:D].view(D, self.kvh, self.h // self.kvh, self.d)  # [D, KVH, G, Dh]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :])
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.decode_mask)
             out[:D] = o.reshape(D, self.h, self.d)                   # o: [D, KVH, G, Dh]
-        for start, n, ctx, table in b.prefills:
-            kv = kv_cache[table].transpose(0, 1).flatten(1, 2)[:, :ctx]  # [2, ctx, KVH, Dh]
-            kp, vp = kv[0].transpose(0, 1), kv[1].transpose(0, 1)        # [KVH, ctx, Dh]
+        for start, n, ctx, table, mask in b.prefills:
+            kp = kv_cache[:, 0][table].flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, Dh]
+            vp = kv_cache[:, 1][table].flatten(0, 1)[:ctx].transpose(0, 1)
             qp = q[start:start + n].transpose(0, 1)                  # [H, n, Dh]
-            if n == ctx:
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            else:  # a later chunk: query i sits at position ctx - n + i
-                mask = torch.ones(n, ctx, dtype=torch.bool, device=x.device).tril(ctx - n)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=True)
             out[start:start + n] = o.transpose(0, 1)
         return self.wo(out.view(T, self.h * self.d))
 
