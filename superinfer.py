@@ -88,7 +88,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.
     for i, p in enumerate(params):
         if p.temperature == 0:
             continue
-        row = logits[i] / p.temperature
+        row = logits[i].cpu() / p.temperature  # per-request CPU generators: same draws on any device
         if p.top_k > 0:
             kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -120,8 +120,8 @@ class Engine:
         if num_device_blocks is None:  # a GPU gets most of its free memory; a CPU 256 MiB
             num_device_blocks = blocks_for_budget(0.8 if self.device.type == "cuda" else 2**28, shape,
                                                   self.dtype, self.device)
-        if num_host_blocks is None:
-            num_host_blocks = 2 * num_device_blocks
+        if num_host_blocks is None:  # twice the device pool, within a quarter of the free host memory
+            num_host_blocks = min(2 * num_device_blocks, blocks_for_budget(0.25, shape, self.dtype, torch.device("cpu")))
         self.pools = KVPools(num_device_blocks, num_host_blocks, shape, self.dtype, self.device)
         self.block_bytes = block_bytes(shape, self.dtype)
         self.bm = BlockManager(num_device_blocks, num_host_blocks, block_size, duplex=pol.duplex)

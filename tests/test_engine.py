@@ -176,3 +176,22 @@ def test_context_length_error(llm):
 def test_unknown_policy(smollm):
     with pytest.raises(ValueError, match="unknown policy"):
         make_engine(smollm, policy="nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rotation_is_invisible():
+    """On a GPU: pinned host pool, two copy streams, events; greedy tokens as with an ample pool."""
+    from conftest import tiny_pair
+    model, _ = tiny_pair(seed=5, vocab=301, hidden=64, heads=4, kv_heads=2)
+    model = model.to("cuda")
+    prompts = [[(7 * i + j) % 301 for j in range(5 + 3 * i)] for i in range(12)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = {}
+    for policy, blocks in [("fcfs", 256), ("rotasched", 24), ("fcfs-swap", 24)]:
+        e = Engine(model, None, policy=policy, block_size=4, num_device_blocks=blocks, num_host_blocks=256,
+                   max_num_seqs=6, max_num_batched_tokens=32, clock=virtual_clock(), ttft_slo=0.3, tbt_slo=0.02)
+        assert e.pools.host.is_pinned()
+        outs[policy] = [o.token_ids for o in run(e, prompts, params)]
+        if blocks == 24:
+            assert e.stats()["rotations"] > 0
+    assert outs["rotasched"] == outs["fcfs"] and outs["fcfs-swap"] == outs["fcfs"]
