@@ -297,6 +297,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def run_serving(args) -> list[dict]:
     import torch
+    from sim import split_policies
     from model import load_model
     from superinfer import Engine
     torch.manual_seed(args.seed)
@@ -353,7 +354,7 @@ def run_serving(args) -> list[dict]:
     results = []
     for rate in rates:
         timed = with_rate(items, rate)
-        for pol in args.policies.split(","):
+        for pol in split_policies(args.policies):
             if pol == "hf":
                 from model import embedded_gguf_path, hf_reference, read_gguf, load_hf_dir
                 hf = getattr(run_serving, "hf", None)
@@ -366,7 +367,7 @@ def run_serving(args) -> list[dict]:
                                 args.max_batched_tokens, f"hf @ {rate}/s")
                 stats = {"rotations": 0, "bytes_moved": 0}
             else:
-                eng = Engine(model, tok, policy=pol, **engine_kw, **sched_kw)
+                eng = Engine(model, tok, policy=pol, **engine_kw, **sched_kw)  # name may carry parameters
                 recs, stats = serve(eng, timed, prompts, f"{pol} @ {rate}/s")
             row = {"policy": pol, "rate": rate, **summarize(recs, ttft_slo, tbt_slo, args.tpot_slo or tbt_slo),
                    "rotations": stats["rotations"], "bytes_moved": stats["bytes_moved"],
@@ -403,7 +404,8 @@ def validate_row(real: dict, items: list[Item], dev_blocks: int, args, ttft_slo:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="fcfs,rotasched",
-                    help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released, hf (HF transformers)")
+                    help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released, hf (HF transformers); "
+                         "with parameters use ';' between policies: 'fcfs;rotasched:alpha=1,quantum=0.5'")
     ap.add_argument("--rates", default=None, help="request rates to sweep (req/s); default: calibrated around saturation")
     ap.add_argument("--rate-factors", default="1.5", help="without --rates: rates as multiples of the measured saturation")
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure-format trace CSV, or 'none' for synthetic")

@@ -200,6 +200,18 @@ POLICIES = {p.name: p for p in (Policy, FcfsSwap, PriorityPolicy, RotaSched, Rot
 
 
 def make_policy(name: str, **params) -> Policy:
+    """A policy by name; a name may carry RotaSched parameters, e.g. 'rotasched:alpha=1,quantum=0.5'
+    ('per-layer' stands for duplex=False, the ablation with vLLM v0's copies)."""
+    name, _, spec = name.partition(":")
+    for item in filter(None, spec.split(",")):
+        k, eq, v = item.partition("=")
+        if item == "per-layer":
+            params["duplex"] = False
+        elif not eq or k not in ("alpha", "beta_f", "beta_b", "quantum"):
+            raise ValueError(f"policy: cannot read {item!r} in {name}:{spec} (alpha=, beta_f=, beta_b=, quantum=, "
+                             "per-layer)")
+        else:
+            params[k] = float(v)
     if name not in POLICIES:
         raise ValueError(f"policy: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
     cls = POLICIES[name]

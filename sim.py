@@ -251,12 +251,16 @@ def poisson_requests(rate: float, duration: float, lengths: list[tuple[int, int]
     return out
 
 
+def split_policies(text: str) -> list[str]:
+    """'a,b' or, when a policy carries parameters, 'a;b:alpha=1,quantum=0.5'."""
+    return [p for p in text.split(";" if ";" in text else ",") if p]
+
+
 def run_policy(policy: str, requests: list[Request], cost: CostModel, *, ttft_slo: float, tbt_slo: float,
                max_num_seqs: int = 1024, max_num_batched_tokens: int = 8192, xfer_budget: int = 2400,
                keep: list[Request] | None = None) -> dict:
     """Simulate one policy on fresh copies of `requests` (or, with keep=requests, on those objects)."""
-    name, _, variant = policy.partition(":")
-    pol = make_policy(name, **({"duplex": False} if variant == "per-layer" else {}))
+    pol = make_policy(policy)
     bm = BlockManager(cost.device_blocks, cost.host_blocks, cost.block_size, duplex=pol.duplex)
     s = Scheduler(bm, pol, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   xfer_budget=xfer_budget, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
@@ -294,7 +298,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hw", default="gh200", help=f"hardware profile: {', '.join(PROFILES)}, cpu")
     ap.add_argument("--model", default="llama-3-8b", help=f"model: {', '.join(MODELS)}")
     ap.add_argument("--policies", default="fcfs,fcfs-swap,rotasched,rotasched-released",
-                    help="comma list; 'NAME:per-layer' runs NAME with vLLM v0's per-layer copies instead of DuplexKV")
+                    help="comma list; 'rotasched:per-layer' uses vLLM v0's per-layer copies instead of DuplexKV, "
+                         "'rotasched:alpha=1,quantum=0.5' sets RotaSched parameters (use ';' between policies then)")
     ap.add_argument("--rates", default=None, help="request rates (req/s); default: around the saturation rate")
     ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of Poisson arrivals")
@@ -332,7 +337,7 @@ def main(argv=None) -> None:
     rows = []
     for rate in rates:
         reqs = poisson_requests(rate, args.duration, lengths, args.seed, args.max_len)
-        for pol in args.policies.split(","):
+        for pol in split_policies(args.policies):
             row = run_policy(pol, reqs, cost, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                              xfer_budget=args.xfer_budget)

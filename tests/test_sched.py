@@ -229,3 +229,13 @@ def test_duplicate_and_empty_requests():
         s.add(Request("a", 4, 4, 0.0))
     with pytest.raises(ValueError, match="non-empty prompt"):
         s.add(Request("b", 0, 4, 0.0))
+
+
+def test_policy_spec_parameters():
+    p = make_policy("rotasched:alpha=1,quantum=0.5")
+    assert (p.alpha, p.quantum, p.duplex) == (1.0, 0.5, True)
+    assert make_policy("rotasched-released:per-layer").duplex is False
+    with pytest.raises(ValueError, match="cannot read 'gamma=1'"):
+        make_policy("rotasched:gamma=1")
+    with pytest.raises(ValueError, match="takes no parameters"):
+        make_policy("fcfs:alpha=1")
