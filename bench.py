@@ -211,6 +211,16 @@ def hf_manager(hf, max_new_tokens: int, max_num_seqs: int, max_tokens: int, bloc
     return mgr
 
 
+def hf_model(path: str | None):
+    """transformers.LlamaForCausalLM (fp32) on the same weights as our model at `path`."""
+    import torch
+    from model import embedded_gguf_path, hf_reference, read_gguf
+    if path is None or path.endswith(".gguf"):
+        return hf_reference(*read_gguf(path or embedded_gguf_path()))
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True).eval()
+
+
 def serve_hf(hf, items: list[Item], prompts: list[list[int]], num_blocks: int, block_size: int,
              max_num_seqs: int, max_tokens: int, label: str = "") -> list:
     """The same arrivals through HF transformers' own continuous batching (its background thread)."""
@@ -351,18 +361,12 @@ def run_serving(args) -> list[dict]:
         print(f"saturation: {sat:.2f} req/s ({k} requests at once, fcfs) -> rates {rates} "
               f"(x{', x'.join(args.rate_factors.split(','))})")
     sched_kw = dict(ttft_slo=ttft_slo, tbt_slo=tbt_slo, xfer_budget=args.xfer_budget)
-    results = []
+    results, hf = [], None
     for rate in rates:
         timed = with_rate(items, rate)
         for pol in split_policies(args.policies):
             if pol == "hf":
-                from model import embedded_gguf_path, hf_reference, read_gguf, load_hf_dir
-                hf = getattr(run_serving, "hf", None)
-                if hf is None:
-                    cfg, tensors = read_gguf(embedded_gguf_path()) if args.model is None else (None, None)
-                    if cfg is None:
-                        raise SystemExit("--policies hf is only wired up for the embedded model")
-                    hf = run_serving.hf = hf_reference(cfg, tensors)
+                hf = hf or hf_model(args.model)
                 recs = serve_hf(hf, timed, prompts, dev_blocks, args.block_size, args.max_num_seqs,
                                 args.max_batched_tokens, f"hf @ {rate}/s")
                 stats = {"rotations": 0, "bytes_moved": 0}

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from kv import BlockManager
@@ -137,15 +135,16 @@ class Hardware:
     duplex_bw: float          # both directions together
     copy_overhead: float      # seconds per copy call (launch + small-segment inefficiency)
     step_overhead: float      # scheduling, sampling, launch per step
-    mfu: float = 0.6          # achieved fraction of peak FLOP/s
+    mfu: float = 0.6          # achieved fraction of peak FLOP/s by large matmuls
     mbu: float = 0.8          # achieved fraction of memory bandwidth
     kv_fraction: float = 0.9  # of HBM usable for weights + KV
+    gemm_half: float = 0.0    # tokens per step at which matmuls reach half of mfu (0: no size effect)
 
     def __post_init__(self):
         for f in ("flops", "hbm_bw", "hbm_bytes", "host_bytes", "link_bw", "duplex_bw", "mfu", "mbu", "kv_fraction"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware {self.name}: {f} must be positive, got {getattr(self, f)}")
-        if self.copy_overhead < 0 or self.step_overhead < 0:
+        if self.copy_overhead < 0 or self.step_overhead < 0 or self.gemm_half < 0:
             raise ValueError(f"hardware {self.name}: overheads must be >= 0")
         if self.duplex_bw < self.link_bw or self.mfu > 1 or self.mbu > 1 or self.kv_fraction > 1:
             raise ValueError(f"hardware {self.name}: need link_bw <= duplex_bw and mfu, mbu, kv_fraction <= 1")
@@ -178,7 +177,8 @@ def cpu_profile(measure: bool = True) -> Hardware:
         for _ in range(5):
             y.copy_(x)
         bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
-    return Hardware("cpu", flops, 2 * bw, 4 * GB, 8 * GB, bw, bw, 2e-6, 4e-3, mfu=0.4, mbu=0.6)
+    # mfu and gemm_half fitted to the real engine on two trace slices (bench.py --validate-sim)
+    return Hardware("cpu", flops, 2 * bw, 4 * GB, 8 * GB, bw, bw, 2e-6, 4e-3, mfu=0.5, mbu=0.6, gemm_half=16)
 
 
 # ---------------------------------------------------------------- the cost model
@@ -200,7 +200,8 @@ class CostModel:
         m = self.m
         flops = tokens * m.active_flops_per_token() + 4 * attn_pairs * m.heads * m.head_dim * m.layers
         bytes_ = m.weight_bytes_read(tokens) + (ctx_tokens + tokens) * m.kv_bytes_per_token
-        return max(flops / (self.hw.flops * self.hw.mfu), bytes_ / (self.hw.hbm_bw * self.hw.mbu))
+        efficiency = self.hw.mfu * tokens / (tokens + self.hw.gemm_half)  # small batches: skinny matmuls
+        return max(flops / (self.hw.flops * efficiency), bytes_ / (self.hw.hbm_bw * self.hw.mbu))
 
     def copy_time(self, copies: int, nbytes: float) -> float:
         return copies * self.hw.copy_overhead + nbytes / self.hw.link_bw

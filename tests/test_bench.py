@@ -4,7 +4,7 @@ import json
 import pytest
 
 import bench
-from bench import Item, TraceError, percentile, read_trace, summarize, synthetic_workload, trace_workload, with_rate
+from bench import TraceError, percentile, read_trace, summarize, synthetic_workload, trace_workload, with_rate
 
 
 def test_percentile_matches_linear_interpolation():

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kv import (BlockManager, DuplexCopier, KVError, KVPools, blocks_for_budget, copy_merged,
                 copy_per_layer, merge_runs)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_pair
-from model import (ModelConfig, ModelLoadError, build_model, load_model, make_batch, read_gguf,
+from model import (ModelConfig, ModelLoadError, load_model, make_batch, read_gguf,
                    embedded_gguf_path, hf_reference)
 
 TOL = 2e-4  # fp32 logits; observed differences are ~5e-6

@@ -2,7 +2,7 @@
 import pytest
 
 from kv import BlockManager
-from sched import Request, Scheduler, make_policy
+from sched import Scheduler, make_policy
 from sim import MODELS, PROFILES, CostModel, Hardware, ModelSpec, poisson_requests, run_policy, simulate
 from test_sched import check_step
 
