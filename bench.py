@@ -316,7 +316,7 @@ def run_serving(args) -> list[dict]:
     if args.trace != "none":
         rows = read_trace(args.trace)
         items = trace_workload(rows, args.num_requests, args.trace_offset, args.length_scale, args.max_len,
-                               time_scale=args.time_scale)
+                               time_scale=args.time_scale or 1.0)
         src = (f"trace {os.path.basename(args.trace)} requests [{args.trace_offset}, "
                f"{args.trace_offset + args.num_requests}), lengths x{args.length_scale} (cap {args.max_len})")
     else:
@@ -351,6 +351,9 @@ def run_serving(args) -> list[dict]:
           f"TBT {tbt_slo * 1e3:.0f}ms ({'given' if args.tbt_slo else f'{args.tbt_slo_factor:g}x'})")
     if args.rates:
         rates = [float(r) for r in args.rates.split(",")]
+    elif args.time_scale is not None and args.trace != "none":  # the trace's own timing, stretched
+        rates = [(len(items) - 1) / (items[-1].arrival - items[0].arrival)]
+        print(f"trace time x{args.time_scale:g}: {rates[0]:.2f} req/s")
     else:
         k = min(len(items), 2 * args.max_num_seqs)
         bulk = [Item(0.0, i.prompt_len, i.output_len) for i in items[:k]]
@@ -417,7 +420,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--length-scale", type=float, default=0.15, help="multiply trace lengths (CPU scale)")
     ap.add_argument("--max-len", type=int, default=384, help="cap on scaled prompt and output lengths")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="stretch trace time (with --rates unused)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="replay the trace's own timing stretched by this factor (instead of calibrated rates)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape (1 = Poisson)")
     ap.add_argument("--input-lens", default="64,128,256")
     ap.add_argument("--output-lens", default="32,64,128")
