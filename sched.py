@@ -59,8 +59,12 @@ class Request:
     def in_decode(self) -> bool:
         return self.num_computed >= self.num_tokens - 1 and bool(self.output)
 
-    def token_ids(self) -> list[int]:
-        return (self.prompt or []) + self.output
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without building the whole sequence."""
+        p = self.num_prompt
+        if start >= p:
+            return self.output[start - p:end - p]
+        return (self.prompt or [])[start:end] + self.output[:max(0, end - p)]
 
 
 @dataclass(slots=True)

@@ -186,7 +186,7 @@ class Engine:
             seqs, samplers = [], []
             for r, n in plan.chunks:
                 last = r.num_computed + n == r.num_tokens
-                seqs.append((r.token_ids()[r.num_computed:r.num_computed + n], r.num_computed,
+                seqs.append((r.token_slice(r.num_computed, r.num_computed + n), r.num_computed,
                              self.bm.block_table(r.rid), last))
                 if last:
                     samplers.append(r.rid)
