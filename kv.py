@@ -5,19 +5,19 @@ share it. A request's blocks live on one tier: its device block table while RUNN
 blocks while ROTARY. With `duplex=True` (DuplexKV) copies run beside compute: a request keeps
 host copies of its full device blocks, written back eagerly in the background, so rotating out
 copies only the blocks that are still dirty; and a device block that is the source of a copy
-still in flight is *fenced* (freed, but not handed out until the copy is known to be done), so a
-swap-in destination never aliases an in-flight swap-out source. With `duplex=False` (vLLM v0)
+still in flight is *fenced* (freed, but not handed out until the copy is known to be done), so
+a swap-in destination never aliases an in-flight swap-out source. With `duplex=False` (vLLM v0)
 compute waits for every copy, so freed blocks are reusable at once and nothing is mirrored.
 
-Run `python kv.py --bench` for the copy benchmark (per-layer per-block vs merged vs duplex).
+The copier reaches streams and events only through a Streams object: CudaStreams on a GPU,
+SyncStreams on a CPU (copies happen at once), or a test's deferred streams that run copies
+late, in any order the declared waits allow.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,10 +51,11 @@ class BlockPool:
         return blocks
 
     def release(self, rid: str, blocks: list[int], keep: set[int] = frozenset()) -> None:
-        """Take blocks from rid; those in `keep` are left off the free list (the caller fences them)."""
+        """Take blocks from rid; those in `keep` stay off the free list (the caller fences them)."""
         for b in blocks:
             if self.owner.get(b) != rid:
-                raise KVError(f"{self.name} pool: block {b} freed by {rid} but owned by {self.owner.get(b)}")
+                raise KVError(f"{self.name} pool: block {b} freed by {rid} "
+                              f"but owned by {self.owner.get(b)}")
             del self.owner[b]
             if b not in keep:
                 self.free.append(b)
@@ -62,15 +63,25 @@ class BlockPool:
 
 @dataclass(slots=True)
 class SeqKV:
-    dev: list[int]       # device block table (empty while parked on host)
-    host: list[int]      # host blocks mirroring logical blocks [0, len(host))
-    num_tokens: int = 0  # tokens that have a KV slot
-    clean: int = 0       # logical blocks [0, clean) equal their host copy
+    block_table: list[int] = field(default_factory=list)  # device blocks (empty while on host)
+    host_blocks: list[int] = field(default_factory=list)  # host mirrors of blocks [0, len)
+    num_tokens: int = 0                                    # tokens that have a KV slot
+    num_clean: int = 0        # logical blocks [0, num_clean) equal their host copy
     on_host: bool = False
 
 
+@dataclass(slots=True)
+class SwapOutEffect:
+    """What parking a request on host would do now: device blocks free at once, host blocks to
+    allocate, blocks to copy."""
+    room: int
+    host_need: int
+    copies: int
+
+
 class BlockManager:
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int, duplex: bool = True):
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
+                 duplex: bool = True):
         if block_size <= 0:
             raise KVError(f"block_size must be positive, got {block_size}")
         self.block_size, self.duplex = block_size, duplex
@@ -80,8 +91,19 @@ class BlockManager:
         self.epoch = 0                   # copies planned now belong to this epoch
         self.busy: dict[int, int] = {}   # device block -> epoch of the last copy reading it
         self.fenced: set[int] = set()    # freed device blocks whose outgoing copy may be in flight
+        self.host_fenced: list[int] = []  # v0: host blocks of this epoch's swap-ins, still read
 
     # ------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        """Device blocks that can be handed out now."""
+        return self.device.num_free
+
+    @property
+    def num_fenced(self) -> int:
+        """Device blocks that become free when the copies reading them land."""
+        return len(self.fenced)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -90,54 +112,76 @@ class BlockManager:
             raise KVError(f"unknown request {rid!r}")
         return self.seqs[rid]
 
+    def block_table(self, rid: str) -> list[int]:
+        return self.seq(rid).block_table
+
     def num_blocks(self, rid: str) -> int:
         s = self.seqs.get(rid)
         return self.blocks_for(s.num_tokens) if s else 0
 
     def new_blocks_needed(self, rid: str, n: int) -> int:
         """Device blocks to allocate before rid's KV can grow by n tokens."""
-        s = self.seqs.get(rid)
-        have = len(s.dev) if s else 0
-        return max(0, self.blocks_for((s.num_tokens if s else 0) + n) - have)
+        s = self.seqs.get(rid, SeqKV())
+        return max(0, self.blocks_for(s.num_tokens + n) - len(s.block_table))
 
-    def swap_out_cost(self, rid: str) -> tuple[int, int]:
-        """(host blocks to allocate, blocks to copy) to park rid on host."""
+    def swap_out_effect(self, rid: str, drop_tokens: int = 0) -> SwapOutEffect:
+        """The effect of shrink(rid, drop_tokens) followed by swap_out(rid), without doing it."""
         s = self.seq(rid)
-        n = len(s.dev)
-        return max(0, n - len(s.host)), n - s.clean
+        keep = self.blocks_for(s.num_tokens - drop_tokens)
+        clean = min(s.num_clean, keep)
+        room = len(s.block_table)
+        if self.duplex:  # dirty blocks, and blocks still read by copies, stay fenced for now
+            fenced = s.block_table[clean:keep] + [b for b in s.block_table[:clean] +
+                                                  s.block_table[keep:] if b in self.busy]
+            room -= len(set(fenced))
+        return SwapOutEffect(room, max(0, keep - len(s.host_blocks)), keep - clean)
 
-    def block_table(self, rid: str) -> list[int]:
-        return self.seq(rid).dev
+    def usage(self, tier: str) -> float:
+        pool = self.device if tier == "device" else self.host
+        return len(pool.owner) / pool.capacity if pool.capacity else 1.0
 
     # ------------------------------------------------------------ growth and write-back
     def append(self, rid: str, n: int) -> list[int]:
         """Give rid KV slots for n more tokens on device; returns the newly allocated blocks."""
-        s = self.seqs.setdefault(rid, SeqKV([], []))
+        s = self.seqs.get(rid, SeqKV())
         assert not s.on_host, f"{rid} is parked on host"
-        need = self.blocks_for(s.num_tokens + n) - len(s.dev)
-        new = self.device.allocate(rid, need) if need > 0 else []
-        s.dev += new
-        s.clean = min(s.clean, s.num_tokens // self.block_size)  # the block the next token lands in
+        need = self.blocks_for(s.num_tokens + n) - len(s.block_table)
+        new = self.device.allocate(rid, need) if need > 0 else []  # raises before any change
+        self.seqs[rid] = s
+        s.block_table += new
+        s.num_clean = min(s.num_clean, s.num_tokens // self.block_size)  # next token's block
         s.num_tokens += n
         return new
+
+    def shrink(self, rid: str, n: int) -> None:
+        """Take back the last n token slots (a step that will not run): free unneeded blocks."""
+        s = self.seq(rid)
+        assert not s.on_host and 0 <= n <= s.num_tokens, (rid, n, s.num_tokens)
+        s.num_tokens -= n
+        keep = self.blocks_for(s.num_tokens)
+        self._free_device(rid, s.block_table[keep:])
+        del s.block_table[keep:]
+        s.num_clean = min(s.num_clean, keep)
+        if not s.num_tokens and not s.host_blocks:
+            del self.seqs[rid]
 
     def writeback(self, rid: str, computed_tokens: int, limit: int, reserve: int = 0) -> Pairs:
         """Plan copies of rid's full, dirty device blocks to their host mirror (at most `limit`
         blocks, leaving `reserve` host blocks free for rotations)."""
         s = self.seq(rid)
         full = min(computed_tokens, s.num_tokens) // self.block_size
-        if not self.duplex or s.on_host or full <= s.clean:
+        if not self.duplex or s.on_host or full <= s.num_clean:
             return []
         room = max(0, self.host.num_free - reserve)
-        upto = s.clean
-        while upto < full and upto - s.clean < limit and (upto < len(s.host) or room > 0):
-            if upto >= len(s.host):
-                s.host += self.host.allocate(rid, 1)
+        upto = s.num_clean
+        while upto < full and upto - s.num_clean < limit and (upto < len(s.host_blocks) or room):
+            if upto >= len(s.host_blocks):
+                s.host_blocks += self.host.allocate(rid, 1)
                 room -= 1
             upto += 1
-        pairs = [(s.dev[i], s.host[i]) for i in range(s.clean, upto)]
+        pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, upto)]
         self._mark_busy(pairs)
-        s.clean = upto
+        s.num_clean = upto
         return pairs
 
     # ------------------------------------------------------------ rotation
@@ -145,12 +189,12 @@ class BlockManager:
         """Park rid on host: copy its dirty blocks, free (or fence) its device blocks."""
         s = self.seq(rid)
         assert not s.on_host, f"{rid} is already on host"
-        need, _ = self.swap_out_cost(rid)
-        s.host += self.host.allocate(rid, need)
-        pairs = [(s.dev[i], s.host[i]) for i in range(s.clean, len(s.dev))]
+        s.host_blocks += self.host.allocate(rid, self.swap_out_effect(rid).host_need)
+        n = len(s.block_table)
+        pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, n)]
         self._mark_busy(pairs)
-        self._free_device(rid, s.dev)
-        s.dev, s.clean, s.on_host = [], len(s.host), True
+        self._free_device(rid, s.block_table)
+        s.block_table, s.num_clean, s.on_host = [], n, True
         return pairs
 
     def swap_in(self, rid: str) -> Pairs:
@@ -158,12 +202,13 @@ class BlockManager:
         s = self.seq(rid)
         assert s.on_host, f"{rid} is not on host"
         n = self.blocks_for(s.num_tokens)
-        s.dev = self.device.allocate(rid, n)
-        pairs = list(zip(s.host[:n], s.dev))
-        s.on_host, s.clean = False, n
-        if not self.duplex:  # vLLM v0: host blocks are freed once swapped back in
-            self.host.release(rid, s.host)
-            s.host, s.clean = [], 0
+        s.block_table = self.device.allocate(rid, n)
+        pairs = list(zip(s.host_blocks[:n], s.block_table))
+        s.on_host, s.num_clean = False, n
+        if not self.duplex:  # vLLM v0: host blocks are freed once swapped back in, and reused
+            self.host.release(rid, s.host_blocks, keep=set(s.host_blocks))  # after this epoch
+            self.host_fenced += s.host_blocks
+            s.host_blocks, s.num_clean = [], 0
         return pairs
 
     def free(self, rid: str) -> None:
@@ -171,8 +216,8 @@ class BlockManager:
         s = self.seqs.pop(rid, None)
         if s is None:
             raise KVError(f"free of unknown request {rid!r} (never allocated, or freed twice)")
-        self._free_device(rid, s.dev)
-        self.host.release(rid, s.host)
+        self._free_device(rid, s.block_table)
+        self.host.release(rid, s.host_blocks)
 
     # ------------------------------------------------------------ copy fences
     def _mark_busy(self, pairs: Pairs) -> None:
@@ -188,11 +233,16 @@ class BlockManager:
 
     def next_epoch(self) -> int:
         """Close the current epoch of planned copies; returns the one just closed."""
+        self.host.free.extend(self.host_fenced)  # v0 copies of an epoch all land before the next
+        self.host_fenced = []
         self.epoch += 1
         return self.epoch - 1
 
     def copies_done(self, epoch: int | None = None) -> None:
         """Every copy planned in epochs <= epoch (all, if None) has completed."""
+        if epoch is None:
+            self.host.free.extend(self.host_fenced)
+            self.host_fenced = []
         done = [b for b, e in self.busy.items() if epoch is None or e <= epoch]
         for b in done:
             del self.busy[b]
@@ -206,30 +256,27 @@ class BlockManager:
             free = set(pool.free)
             assert len(free) == len(pool.free), f"{pool.name}: a block is free twice"
             assert not free & set(pool.owner), f"{pool.name}: a block is both free and owned"
-        assert not self.fenced & set(self.device.free) and not self.fenced & set(self.device.owner)
-        assert self.device.num_free + len(self.device.owner) + len(self.fenced) == self.device.capacity
-        assert self.host.num_free + len(self.host.owner) == self.host.capacity
+        fenced = self.fenced
+        assert not fenced & set(self.device.free) and not fenced & set(self.device.owner)
+        assert self.device.num_free + len(self.device.owner) + len(fenced) == self.device.capacity
+        assert self.host.num_free + len(self.host.owner) + len(self.host_fenced) == self.host.capacity
         for rid, s in self.seqs.items():
-            assert all(self.device.owner[b] == rid for b in s.dev), rid
-            assert all(self.host.owner[b] == rid for b in s.host), rid
+            assert all(self.device.owner[b] == rid for b in s.block_table), rid
+            assert all(self.host.owner[b] == rid for b in s.host_blocks), rid
             n = self.blocks_for(s.num_tokens)
             if s.on_host:
-                assert not s.dev and len(s.host) >= n, f"{rid}: parked but not all blocks on host"
+                assert not s.block_table and len(s.host_blocks) >= n, f"{rid}: parked, not on host"
             else:
-                assert len(s.dev) >= n, f"{rid}: running without device blocks for its tokens"
-                assert s.clean <= min(len(s.host), len(s.dev)), rid
-        owned = sum(len(s.dev) for s in self.seqs.values())
-        assert owned == len(self.device.owner)
-        assert sum(len(s.host) for s in self.seqs.values()) == len(self.host.owner)
+                assert len(s.block_table) >= n, f"{rid}: running without blocks for its tokens"
+                assert s.num_clean <= min(len(s.host_blocks), len(s.block_table)), rid
+        assert sum(len(s.block_table) for s in self.seqs.values()) == len(self.device.owner)
+        assert sum(len(s.host_blocks) for s in self.seqs.values()) == len(self.host.owner)
 
 
 # ---------------------------------------------------------------- tensors
 
 def block_bytes(block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in block_shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return torch.Size(block_shape).numel() * dtype.itemsize
 
 
 def blocks_for_budget(budget: int | float, block_shape, dtype, device: torch.device) -> int:
@@ -242,29 +289,27 @@ def blocks_for_budget(budget: int | float, block_shape, dtype, device: torch.dev
         else:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = int(free * budget)
-    n = budget // block_bytes(block_shape, dtype)
-    if n <= 0:
-        raise KVError(f"a KV budget of {budget} bytes holds no block of {block_bytes(block_shape, dtype)} bytes")
-    return n
+    size = block_bytes(block_shape, dtype)
+    if budget // size <= 0:
+        raise KVError(f"a KV budget of {budget} bytes holds no block of {size} bytes")
+    return budget // size
 
 
 class KVPools:
-    """Device pool and host pool, both (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)."""
+    """Device and host pools, both (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)."""
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device | str):
         device = torch.device(device)
-        for name, n in (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks)):
+        for name, n in (("num_device_blocks", num_device_blocks),
+                        ("num_host_blocks", num_host_blocks)):
             if n < 0:
                 raise KVError(f"{name} must be >= 0, got {n}")
-        # zeros, not empty: attention reads padded block slots (masked), and 0 * NaN would poison them
+        # zeros: attention reads unwritten slots of a sequence's last block (masked), and
+        # 0 * NaN would poison them. The host pool is only read where a copy wrote first.
         self.device = torch.zeros((num_device_blocks, *block_shape), dtype=dtype, device=device)
-        self.host = torch.zeros((num_host_blocks, *block_shape), dtype=dtype,
+        self.host = torch.empty((num_host_blocks, *block_shape), dtype=dtype,
                                 pin_memory=device.type == "cuda")
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided per-layer K and V views of the device pool: (num_blocks, block_size, kv_heads, head_dim)."""
-        return self.device[:, i, 0], self.device[:, i, 1]
 
 
 def merge_runs(pairs: Pairs) -> list[tuple[int, int, int]]:
@@ -296,140 +341,138 @@ def copy_per_layer(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs) -> int:
     return len(pairs) * layers * 2
 
 
-class DuplexCopier:
-    """Moves blocks device->host and host->device, on two CUDA streams when there is a GPU.
+# ---------------------------------------------------------------- streams
 
-    submit() launches one epoch's write-backs/swap-outs and swap-ins together; the compute stream
-    waits (wait_inputs) only for this epoch's swap-ins; completed_epoch() tells the block manager
-    which outgoing copies have finished so it can unfence their source blocks. Without CUDA the
-    same calls copy synchronously. duplex=False is vLLM v0's path: per-layer per-block copies
-    that the compute stream waits for in both directions.
+OUT, IN = "out", "in"   # device->host and host->device copy streams
+
+
+class SyncStreams:
+    """No streams (CPU): every copy runs when it is enqueued, so every event is complete."""
+
+    def enqueue(self, stream: str, fn, touches=()) -> None:
+        fn()
+
+    def record(self, stream: str) -> object:
+        return None
+
+    def wait(self, stream: str, event) -> None:
+        pass
+
+    def wait_compute(self, stream: str) -> None:
+        pass
+
+    def compute_wait(self, event) -> None:
+        pass
+
+    def done(self, event) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaStreams:
+    """The two copy streams, events and the compute stream of the pools' own device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.streams = {OUT: torch.cuda.Stream(device=device), IN: torch.cuda.Stream(device=device)}
+
+    def enqueue(self, stream: str, fn, touches=()) -> None:
+        with torch.cuda.stream(self.streams[stream]):
+            fn()
+
+    def record(self, stream: str):
+        return self.streams[stream].record_event()
+
+    def wait(self, stream: str, event) -> None:
+        if event is not None:
+            self.streams[stream].wait_event(event)
+
+    def wait_compute(self, stream: str) -> None:
+        self.streams[stream].wait_stream(torch.cuda.current_stream(self.device))
+
+    def compute_wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def done(self, event) -> bool:
+        return event is None or event.query()
+
+    def synchronize(self) -> None:
+        for s in self.streams.values():
+            s.synchronize()
+
+
+class DuplexCopier:
+    """Moves one epoch's blocks device->host and host->device, both directions at once.
+
+    Ordering, as waits between streams (the CPU runs every copy at once, so it needs none):
+    - a copy waits for the compute enqueued before it: device sources were written, and device
+      destinations read, by earlier forwards;
+    - a copy waits for the other direction's copies of earlier epochs: a swap-in reads host
+      blocks an older swap-out writes, and a write-back may reuse a host block that an older
+      swap-in still reads (its request finished meanwhile);
+    - with DuplexKV the sources of outgoing copies stay fenced in the block manager until they
+      land, so the forward never waits for them: they run under it. A swapped-in request either
+      computes in the same step (the forward waits for that epoch's swap-ins) or, with
+      `overlap`, from the next one, so the forward of epoch N waits only for swap-ins of earlier
+      epochs and epoch N's swap-ins run under it too;
+    - without DuplexKV (vLLM v0) blocks are reused at once and a swapped-in request computes in
+      the same step: swap-ins wait for the same epoch's swap-outs, and the forward for both.
     """
 
-    def __init__(self, pools: KVPools, duplex: bool = True):
-        self.pools, self.duplex = pools, duplex
-        self.cuda = pools.device.is_cuda
-        if self.cuda:
-            self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
-        self.in_flight: deque[tuple[int, object]] = deque()  # (epoch, event after its outgoing copies)
-        self.last_in_event = None
+    def __init__(self, pools: KVPools, duplex: bool = True, streams=None, overlap: bool = True):
+        self.pools, self.duplex, self.overlap = pools, duplex, duplex and overlap
+        if streams is None:
+            dev = pools.device.device
+            streams = CudaStreams(dev) if dev.type == "cuda" else SyncStreams()
+        self.streams = streams
+        self.last = {OUT: None, IN: None}             # latest event on each stream
+        self.epochs: deque[tuple[int, object]] = deque()  # (epoch, its last outgoing event)
         self.done_epoch = -1
         self.copies = self.blocks_moved = 0
 
-    def _copy(self, src, dst, pairs: Pairs) -> None:
-        self.copies += (copy_merged if self.duplex else copy_per_layer)(src, dst, pairs)
-        self.blocks_moved += len(pairs)
-
     def submit(self, epoch: int, out_pairs: Pairs, in_pairs: Pairs) -> None:
-        if not self.cuda:
-            self._copy(self.pools.device, self.pools.host, out_pairs)
-            self._copy(self.pools.host, self.pools.device, in_pairs)
-            self.done_epoch = epoch
-            return
-        compute = torch.cuda.current_stream()
-        prior_out = self.in_flight[-1][1] if self.in_flight else None
+        """Launch an epoch's copies and make compute wait for the ones its forward reads."""
+        earlier = dict(self.last)
         if out_pairs:
-            with torch.cuda.stream(self.out_stream):
-                self.out_stream.wait_stream(compute)  # blocks written by earlier forwards
-                self._copy(self.pools.device, self.pools.host, out_pairs)
-                ev = torch.cuda.Event()
-                ev.record(self.out_stream)
-            self.in_flight.append((epoch, ev))
-        else:
-            self.in_flight.append((epoch, None))
-        self.last_in_event = None
+            self._launch(OUT, earlier[IN], self.pools.device, self.pools.host, out_pairs)
         if in_pairs:
-            with torch.cuda.stream(self.in_stream):
-                self.in_stream.wait_stream(compute)   # destinations may have been read by earlier steps
-                if prior_out is not None:             # host sources written by earlier swap-outs
-                    self.in_stream.wait_event(prior_out)
-                self._copy(self.pools.host, self.pools.device, in_pairs)
-                self.last_in_event = torch.cuda.Event()
-                self.last_in_event.record(self.in_stream)
+            same_step = None if self.duplex else self.last[OUT]
+            self._launch(IN, earlier[OUT], self.pools.host, self.pools.device, in_pairs, same_step)
+        for event in self.forward_waits(earlier):
+            self.streams.compute_wait(event)
+        self.epochs.append((epoch, self.last[OUT]))
 
-    def wait_inputs(self) -> None:
-        """Make the compute stream wait for this epoch's swap-ins (and, without duplex, swap-outs)."""
-        if not self.cuda:
-            return
-        if self.last_in_event is not None:
-            torch.cuda.current_stream().wait_event(self.last_in_event)
-        if not self.duplex and self.in_flight and self.in_flight[-1][1] is not None:
-            torch.cuda.current_stream().wait_event(self.in_flight[-1][1])
+    def forward_waits(self, earlier: dict) -> list:
+        if self.overlap:     # requests swapped in now run next step: only earlier swap-ins
+            return [earlier[IN]]
+        if self.duplex:      # they run now: this step's swap-ins (fences guard the rest)
+            return [self.last[IN]]
+        return [self.last[OUT], self.last[IN]]  # v0: blocks are reused at once
+
+    def _launch(self, stream: str, other_earlier, src, dst, pairs: Pairs, extra=None) -> None:
+        s = self.streams
+        s.wait_compute(stream)
+        s.wait(stream, other_earlier)
+        s.wait(stream, extra)
+        tiers = ("device", "host") if stream == OUT else ("host", "device")
+        touches = [(tiers[0], a, "r") for a, _ in pairs] + [(tiers[1], b, "w") for _, b in pairs]
+        copy = copy_merged if self.duplex else copy_per_layer
+        s.enqueue(stream, lambda: self._count(copy(src, dst, pairs)), touches)
+        self.blocks_moved += len(pairs)
+        self.last[stream] = s.record(stream)
+
+    def _count(self, copies: int) -> None:
+        self.copies += copies
 
     def completed_epoch(self) -> int:
-        while self.in_flight and (self.in_flight[0][1] is None or self.in_flight[0][1].query()):
-            self.done_epoch = self.in_flight.popleft()[0]
+        """The latest epoch whose outgoing copies (and all earlier ones) have landed."""
+        while self.epochs and self.streams.done(self.epochs[0][1]):
+            self.done_epoch = self.epochs.popleft()[0]
         return self.done_epoch
 
     def synchronize(self) -> None:
-        if self.cuda:
-            self.out_stream.synchronize()
-            self.in_stream.synchronize()
+        self.streams.synchronize()
         self.completed_epoch()
-
-
-# ---------------------------------------------------------------- copy benchmark
-
-def _timeit(fn, sync, repeat=5) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def bench_copies(total_mib: int = 256, block_size: int = 16, layers: int = 30, kv_heads: int = 3,
-                 head_dim: int = 64, dtype=torch.float32, device: str | None = None) -> dict:
-    """Move the same blocks every way and report GB/s next to a plain contiguous copy of the bytes."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shape = (layers, 2, block_size, kv_heads, head_dim)
-    bb = block_bytes(shape, dtype)
-    n = max(1, total_mib * 2**20 // bb)
-    pools = KVPools(2 * n, 2 * n, shape, dtype, device)
-    pools.device.normal_()
-    pools.host.normal_()
-    out_pairs = list(zip(range(n), range(n)))          # device blocks [0, n) -> host [0, n)
-    in_pairs = list(zip(range(n, 2 * n), range(n, 2 * n)))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    flat_dev, flat_host = pools.device[:n].view(-1), pools.host[:n].view(-1)
-    nbytes = n * bb
-    res = {"device": str(device), "blocks": n, "block_bytes": bb, "bytes_per_layer_copy": bb // (2 * layers),
-           "mib": nbytes / 2**20}
-    res["plain_d2h"] = nbytes / _timeit(lambda: flat_host.copy_(flat_dev, non_blocking=True), sync) / 1e9
-    res["per_layer_d2h"] = nbytes / _timeit(lambda: copy_per_layer(pools.device, pools.host, out_pairs), sync) / 1e9
-    res["merged_d2h"] = nbytes / _timeit(lambda: copy_merged(pools.device, pools.host, out_pairs), sync) / 1e9
-    res["merged_h2d"] = nbytes / _timeit(lambda: copy_merged(pools.host, pools.device, in_pairs), sync) / 1e9
-    copier = DuplexCopier(pools)
-    res["duplex_total"] = 2 * nbytes / _timeit(lambda: copier.submit(0, out_pairs, in_pairs), lambda: copier.synchronize()) / 1e9
-    return res
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description="DuplexKV copy benchmark: per-layer per-block vs merged "
-                                             "block-first vs both directions at once")
-    ap.add_argument("--bench", action="store_true", help="run the copy benchmark")
-    ap.add_argument("--mib", type=int, default=256, help="KV bytes moved each way (MiB)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--device", default=None)
-    args = ap.parse_args()
-    if not args.bench:
-        ap.print_help()
-        return
-    r = bench_copies(args.mib, args.block_size, device=args.device)
-    plain = r["plain_d2h"]
-    print(f"Copy benchmark on {r['device']}: {r['blocks']} blocks x {r['block_bytes'] / 2**10:.0f} KiB "
-          f"({r['mib']:.0f} MiB), SmolLM2-135M KV shape, {r['bytes_per_layer_copy'] / 2**10:.0f} KiB per layer copy")
-    print(f"{'path':<34}{'GB/s':>8}{'vs plain':>10}")
-    for key, label in (("plain_d2h", "plain contiguous copy"), ("per_layer_d2h", "per-layer per-block (vLLM v0)"),
-                       ("merged_d2h", "merged block-first, d->h"), ("merged_h2d", "merged block-first, h->d"),
-                       ("duplex_total", "duplex, both directions (total)")):
-        print(f"{label:<34}{r[key]:8.2f}{r[key] / plain:9.2f}x")
-    print(f"merged / per-layer: {r['merged_d2h'] / r['per_layer_d2h']:.1f}x")
-
-
-if __name__ == "__main__":
-    main()

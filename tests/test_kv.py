@@ -1,5 +1,6 @@
 """kv.py: block accounting invariants, bitwise swap round trips, duplex safety, errors."""
 import random
+from collections import deque
 
 import pytest
 import torch
@@ -58,11 +59,16 @@ class Accounting(RuleBasedStateMachine):
         run = self.running()
         if run:
             rid = data.draw(st.sampled_from(run))
-            need, copies = self.bm.swap_out_cost(rid)
-            if need <= self.bm.host.num_free:
-                before = list(self.bm.seqs[rid].dev)
+            drop = data.draw(st.integers(0, self.bm.seq(rid).num_tokens - 1))
+            e = self.bm.swap_out_effect(rid, drop)  # what shrinking then swapping out will do
+            if e.host_need <= self.bm.host.num_free:
+                free_before, host_before = self.bm.num_free, self.bm.host.num_free
+                self.bm.shrink(rid, drop)
+                before = list(self.bm.block_table(rid))
                 pairs = self.bm.swap_out(rid)
-                assert len(pairs) == copies and {s for s, _ in pairs} <= set(before)
+                assert len(pairs) == e.copies and {s for s, _ in pairs} <= set(before)
+                assert self.bm.num_free - free_before == e.room, "room predicted wrongly"
+                assert host_before - self.bm.host.num_free == e.host_need
                 if self.bm.duplex:
                     self.in_flight_sources |= {s for s, _ in pairs}
 
@@ -117,7 +123,7 @@ def test_swap_out_then_in_restores_bytes(bs, layers, kvh, hd, lens, duplex, seed
     copier = DuplexCopier(pools, duplex=duplex)
     rng_ids = list(range(need + 4))
     rng.shuffle(rng_ids)
-    bm.device.free = __import__("collections").deque(rng_ids)  # scattered physical ids
+    bm.device.free = deque(rng_ids)  # scattered physical ids
     rids = [f"r{i}" for i in range(len(lens))]
     for rid, n in zip(rids, lens):
         first = rng.randint(1, n)
@@ -149,14 +155,16 @@ def test_rotate_out_copies_only_dirty_blocks():
     bm = BlockManager(8, 8, 4)
     bm.append("a", 10)                                   # 3 blocks, last one partial
     assert len(bm.writeback("a", 10, limit=10)) == 2     # the two full blocks
-    assert bm.swap_out_cost("a") == (1, 1)               # one more host block, one copy
+    e = bm.swap_out_effect("a")
+    assert (e.host_need, e.copies) == (1, 1)             # one more host block, one copy
     pairs = bm.swap_out("a")
     assert len(pairs) == 1
     bm.next_epoch()
     bm.copies_done()
     bm.swap_in("a")
     bm.append("a", 1)                                    # dirties only the partial block
-    assert bm.swap_out_cost("a") == (0, 1)
+    e = bm.swap_out_effect("a")
+    assert (e.host_need, e.copies) == (0, 1)
 
 
 def test_fenced_blocks_not_reused_until_copy_done():
@@ -206,7 +214,11 @@ def test_bad_input_errors():
         blocks_for_budget(1.5, (30, 2, 16, 3, 64), torch.float32, torch.device("cpu"))
     with pytest.raises(KVError, match="device pool"):
         bm.append("big", 17)
-    assert "big" not in bm.seqs or bm.seqs["big"].dev == []
+    assert "big" not in bm.seqs                 # a failed append leaves nothing behind
+    bm.append("a", 4)
+    with pytest.raises(KVError, match="device pool"):
+        bm.append("a", 16)
+    assert bm.seq("a").num_tokens == 4 and len(bm.block_table("a")) == 1
 
 
 def test_budget_sizing():
@@ -225,7 +237,6 @@ def test_cuda_duplex_round_trip():
     snap = pools.device[:32].clone()
     copier.submit(0, list(zip(range(32), range(32))), [])
     copier.submit(1, [], list(zip(range(32), range(32, 64))))
-    copier.wait_inputs()
     copier.synchronize()
     assert torch.equal(pools.device[32:64], snap)
     assert copier.completed_epoch() == 1
