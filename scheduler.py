@@ -1,19 +1,29 @@
-"""Request lifecycle and scheduling policies: RotaSched and the vLLM baselines, one mechanism.
+"""Request lifecycle and scheduling: one mechanism; policies that rank requests and pick victims.
 
 Pure Python, no tensors: the engine, the simulator and the property tests all drive it.
+
     WAITING --admit--> RUNNING --rotate out--> ROTARY --rotate in--> RUNNING --> FINISHED
-    RUNNING --recompute-preempt--> WAITING;  any state --abort--> ABORTED
-Each step, schedule(now) returns a StepPlan (tokens to compute per request, block copies);
-the executor runs it and calls update(plan, sampled tokens, now).
-The mechanism (continuous batching, chunked prefill, token budget, block allocation,
-preemption, transfer budget, admission control) is shared; a policy only ranks requests,
-says how it preempts, and may rotate proactively.
+    RUNNING --preempt (recompute)--> WAITING;         any state --abort--> ABORTED
+
+schedule(now) builds one step:
+  1. run   the running requests: decodes first, then prefill chunks, each in admission order.
+           One that cannot get a block waits a step if in-flight copies will free enough;
+           otherwise the policy's victim is preempted (rotated out, or recomputed later).
+  2. admit waiting and rotary requests in the policy's order while they fit. A rotating policy
+           may rotate running requests out for a candidate: all the victims it needs, or none.
+  3. write back full, dirty blocks to their host mirrors with the transfer budget left.
+The executor runs the returned StepPlan and calls update(plan, sampled tokens, now).
+
+Device blocks usable this step are the free ones plus, for a victim, the blocks its swap-out
+frees at once (BlockManager.swap_out_effect); blocks still read by in-flight copies (fenced)
+come back when the copies land. With swap_in_overlap (DuplexKV on a GPU) a request rotated in at
+step N computes from step N + 1, so its swap-in runs under step N's forward (kv.DuplexCopier).
 """
 from __future__ import annotations
 
-import bisect
+import itertools
 import json
-from collections import deque
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -36,12 +46,13 @@ class Request:
     arrival: float
     prompt: list[int] | None = None         # token ids (the simulator runs without them)
     priority: int = 0                       # lower runs first (vLLM's convention)
-    ttft_slo: float | None = None           # per-request SLOs; None -> the scheduler's
+    ttft_slo: float | None = None           # per-request SLOs; None: the engine's
     tbt_slo: float | None = None
     stop_ids: frozenset[int] = frozenset()
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
     num_computed: int = 0                   # tokens whose KV is in the cache
+    seq: int = 0                            # order of arrival at the scheduler (ties)
     t_queued: float = 0.0                   # when it last entered the waiting or rotary queue
     t_admitted: float = 0.0                 # when it last became RUNNING
     t_last_token: float = 0.0
@@ -57,7 +68,7 @@ class Request:
 
     @property
     def in_decode(self) -> bool:
-        return self.num_computed >= self.num_tokens - 1 and bool(self.output)
+        return bool(self.output) and self.num_computed >= self.num_tokens - 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output, without building the whole sequence."""
@@ -71,188 +82,283 @@ class Request:
 class StepPlan:
     epoch: int
     now: float
-    chunks: list[tuple[Request, int]]       # (request, tokens to compute); decodes first
-    swap_out: Pairs                         # device -> host (rotations and eager write-backs)
-    swap_in: Pairs                          # host -> device
-    admitted: list[str] = field(default_factory=list)
+    chunks: dict[Request, int] = field(default_factory=dict)  # tokens to compute, per request
+    swap_out: Pairs = field(default_factory=list)   # device -> host: rotations, write-backs
+    swap_in: Pairs = field(default_factory=list)    # host -> device
+    admitted: list[str] = field(default_factory=list)    # on device for the first time
+    resumed: list[str] = field(default_factory=list)     # back after a recompute-preemption
+    rotated_in: list[str] = field(default_factory=list)  # swapped back in
     rotated_out: list[str] = field(default_factory=list)
-    rotated_in: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)   # by recompute
+    proactive: list[str] = field(default_factory=list)   # rotated out before any shortfall
+    rotated_for: dict[str, str] = field(default_factory=dict)  # victim -> candidate it made room for
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.chunks)
+        return sum(self.chunks.values())
 
     @property
     def blocks_moved(self) -> int:
         return len(self.swap_out) + len(self.swap_in)
 
     def log_record(self, step: int) -> dict:
-        return {"step": step, "now": round(self.now, 9), "tokens": {r.rid: n for r, n in self.chunks},
-                "admitted": self.admitted, "rotated_out": self.rotated_out, "rotated_in": self.rotated_in,
-                "preempted": self.preempted, "swap_out": len(self.swap_out), "swap_in": len(self.swap_in)}
+        return {"step": step, "now": round(self.now, 9),
+                "tokens": {r.rid: n for r, n in self.chunks.items()},
+                "admitted": self.admitted, "resumed": self.resumed, "rotated_in": self.rotated_in,
+                "rotated_out": self.rotated_out, "preempted": self.preempted,
+                "swap_out": len(self.swap_out), "swap_in": len(self.swap_in)}
 
 
 # ---------------------------------------------------------------- policies
 
 class Policy:
-    """FCFS (vLLM v1): arrival order; preempt the newest running request by recompute."""
+    """FCFS as vLLM v1: arrival order; on a block shortfall the last-admitted running request is
+    preempted by recompute (it goes back to the front of the queue) and nobody is admitted."""
     name = "fcfs"
-    preempt = "recompute"      # or "swap"
-    duplex = False             # DuplexKV: eager write-back + merged block-first copies
-    resume_rotary_first = False
+    preempt = "recompute"        # or "swap"
+    duplex = False               # DuplexKV: eager write-back, merged copies, overlapped swap-in
+    xfer_cap = "all"             # what B_xfer caps: "all" moves, "proactive" swap-outs, "none"
+    rotates = False              # may rotate running requests out to admit a candidate
+    one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
 
-    def key(self, r: Request, now: float) -> tuple:
-        """Smaller runs first; the largest running key is the first victim."""
-        return (r.arrival, r.rid)
+    def rank(self, r: Request, now: float) -> tuple:
+        """Smaller is more urgent."""
+        return (r.arrival, r.seq)
 
-    def rotate(self, s: "Scheduler", now: float) -> None:
-        """Proactive rotation before the reactive mechanism runs (none by default)."""
+    def queues(self, s: Scheduler, plan: StepPlan, now: float) -> list[list[Request]]:
+        """Requests to admit, most urgent first; admission is strict within each list."""
+        if plan.preempted or plan.rotated_out:
+            return []  # vLLM v1: no admissions in a step that preempted
+        return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
 
+    def victim(self, s: Scheduler, r: Request, now: float) -> Request:
+        """The running request to preempt when r cannot get a block (r itself when none)."""
+        return s.running[-1]
 
-class FcfsSwap(Policy):
-    """vLLM v0 swap mode: FCFS, swap-preempt, swapped requests resume before new prefills."""
-    name, preempt, resume_rotary_first = "fcfs-swap", "swap", True
+    def before_run(self, s: Scheduler, plan: StepPlan, now: float) -> None:
+        """Proactive work before the running requests are scheduled (none by default)."""
 
 
 class PriorityPolicy(Policy):
-    """vLLM priority scheduling: (priority, arrival); a preempted request keeps its place."""
+    """vLLM v1 priority: (priority, arrival); the victim is the lowest-priority running request,
+    even one already scheduled this step (it is taken back out)."""
     name = "priority"
 
-    def key(self, r, now):
-        return (r.priority, r.arrival, r.rid)
+    def rank(self, r, now):
+        return (r.priority, r.arrival, r.seq)
+
+    def victim(self, s, r, now):
+        return max(s.running, key=lambda v: self.rank(v, now))
+
+
+class FcfsSwap(Policy):
+    """vLLM v0 with chunked prefill and swap preemption: running requests first, then swapped
+    ones (only in a step that preempted nobody), then new prefills; each queue FCFS and strict.
+    Copies go one block-layer at a time, and compute waits for them."""
+    name, preempt, xfer_cap = "fcfs-swap", "swap", "none"
+
+    def queues(self, s, plan, now):
+        rotary = sorted(s.rotary, key=lambda r: self.rank(r, now))
+        waiting = sorted(s.waiting, key=lambda r: self.rank(r, now))
+        return [waiting] if plan.preempted or plan.rotated_out else [rotary, waiting]
 
 
 class RotaSched(Policy):
-    """Largest-Virtual-Lag-First rotation with DuplexKV (the paper's RotaSched)."""
-    name, preempt, duplex = "rotasched", "swap", True
+    """The paper's RotaSched: Largest-Virtual-Lag-First with DuplexKV.
 
-    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0, duplex: bool = True,
-                 quantum: float | None = None):
-        for n, v in (("alpha", alpha), ("beta_f", beta_f), ("beta_b", beta_b), ("quantum", quantum or 0)):
-            if v < 0:
-                raise ValueError(f"{n} must be >= 0, got {v}")
-        self.alpha, self.beta_f, self.beta_b = alpha, beta_f, beta_b
-        self.duplex = duplex    # False: the ablation with vLLM v0's per-layer per-block copies
-        self.quantum = quantum  # seconds a request runs before it may be rotated out; None: 5 x S_TBT
-        self.ttft_slo, self.tbt_slo = 5.0, 0.1   # set by the scheduler
+    Virtual lag (seconds behind the SLO-derived bound; running requests are negative):
+        waiting  now - arrival     - beta_f * S_TTFT
+        rotary   now - last token  - beta_b * S_TBT
+        running  -(now - t_admitted)
+    alpha weighs the rotary lag (alpha_on="rotary", DESIGN.md's reading) or the waiting one
+    (alpha_on="waiting"); our sources do not settle which. The lag is clamped at 0 for ranking
+    (the ReLU), so not-yet-due requests tie and go in arrival order; a candidate may take room
+    from rotations only once its signed lag is >= 0 (it is due). If every queued request fits,
+    it is FCFS. Ours, not the paper's, each a named parameter:
+      bound    a parked request whose token gap reached `bound` TBT SLOs goes first, and no new
+               request rotates anyone out meanwhile (0 = off; default 4);
+      quantum  seconds a request must run before it may be rotated out (0 = off, the default).
+    The mechanism adds: a rotation for a new request must give it its first token this step.
+    """
+    name, preempt, duplex, rotates = "rotasched", "swap", True, True
+
+    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
+                 alpha_on: str = "rotary", quantum: float = 0.0, bound: float = 4.0,
+                 duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+        if alpha_on not in ("rotary", "waiting"):
+            raise ValueError(f"alpha_on must be 'rotary' or 'waiting', got {alpha_on!r}")
+        self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
+        self.quantum, self.bound, self.duplex = quantum, bound, duplex
+        self.ttft_slo, self.tbt_slo = ttft_slo, tbt_slo
+
+    def lag(self, r: Request, now: float) -> float:
+        """Signed lag: negative while a queued request is within its bound."""
+        if r.status is Status.RUNNING:
+            return -(now - r.t_admitted)
+        rotary = r.status is Status.ROTARY
+        if rotary:
+            raw = now - r.t_last_token - self.beta_b * (r.tbt_slo or self.tbt_slo)
+        else:
+            raw = now - r.arrival - self.beta_f * (r.ttft_slo or self.ttft_slo)
+        return raw * (self.alpha if rotary == (self.alpha_on == "rotary") else 1.0)
 
     def vlt(self, r: Request, now: float) -> float:
-        """Virtual lag time: how far behind its SLO a request is (running ones are negative)."""
-        if r.status is Status.RUNNING:
-            return -(now - r.t_admitted)
-        if r.status is Status.ROTARY:
-            return self.alpha * max(0.0, now - r.t_last_token - self.beta_b * (r.tbt_slo or self.tbt_slo))
-        return max(0.0, now - r.arrival - self.beta_f * (r.ttft_slo or self.ttft_slo))
+        lag = self.lag(r, now)
+        return lag if r.status is Status.RUNNING else max(0.0, lag)
 
-    def key(self, r, now):
-        return (-self.vlt(r, now), r.arrival, r.rid)
+    def overdue(self, r: Request, now: float) -> bool:
+        """A rotary request whose token gap reached `bound` TBT SLOs goes ahead of the rest."""
+        slo = r.tbt_slo or self.tbt_slo
+        return bool(self.bound) and r.status is Status.ROTARY and now - r.t_last_token >= self.bound * slo
 
-    def rotate(self, s: "Scheduler", now: float) -> None:
-        need, free = 0, s.bm.device.num_free
-        for r in s.waiting + s.rotary:
-            need += s.footprint(r)
-            if need > free:
+    def rank(self, r, now):
+        return (not self.overdue(r, now), -self.vlt(r, now), r.arrival, r.seq)
+
+    def queues(self, s, plan, now):
+        queued = s.waiting + s.rotary
+        if s.fits_all(queued):  # step 1 of LVF: everyone fits, so FCFS
+            return [sorted(queued, key=lambda r: (r.arrival, r.seq))]
+        return [sorted(queued, key=lambda r: self.rank(r, now))]
+
+    def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
+        """Running requests are rotated out only for a candidate whose lag is due, and (with a
+        bound) not for a new request while a parked one is overdue."""
+        if self.overdue(c, now):
+            return True
+        if c.status is Status.WAITING and any(self.overdue(r, now) for r in s.rotary):
+            return False
+        return self.lag(c, now) >= 0
+
+    def victims(self, s: Scheduler, plan: StepPlan, now: float) -> list[Request]:
+        """Running requests that may be rotated out, first choice first: decodes before
+        mid-prefill requests, then the longest-running. A victim must have made progress since it
+        was admitted (no livelock), have run a full time slice, and be able to come back within
+        one step's transfer budget."""
+        ok = [v for v in s.running if v.tokens_since_admit > 0 and now - v.t_admitted >= self.quantum
+              and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
+        return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
+
+    def victim(self, s, r, now):
+        others = [v for v in s.running if v is not r and v.tokens_since_admit > 0]
+        return min(others, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq), default=r)
+
+
+class RotaSchedReleased(Policy):
+    """The authors' released scheduler (SuperInfer, vllm/v1/core/scheduler.py schedule_early):
+    - one FIFO queue of new and swapped-out requests, ordered by when they entered it;
+    - proactive: when not every request fits, host KV usage is below 95% and fewer than B_xfer
+      device blocks are free, swap out the longest-running decodes while the blocks they hold
+      stay under B_xfer in total (B_xfer is a watermark and caps only these swap-outs; the
+      setting swap_watermark gives it its own value, as their --proactive-swap-budget does);
+    - reactive: the last-admitted running request is swapped out; no admissions in a step with a
+      reactive preemption unless it also had proactive ones;
+    - new requests wait while host KV usage is above 90%; one partial prefill at a time (their
+      vLLM V1); every full block written back eagerly, uncapped; no time slice.
+    Ours: their engine runs a request in the step that swaps it in; ours one step later (its copy
+    under the step's forward), so a request is not swapped out again before it has run.
+    """
+    name, preempt, duplex, xfer_cap = "rotasched-released", "swap", True, "proactive"
+    one_partial_prefill = True
+
+    def __init__(self, duplex: bool = True):
+        self.duplex = duplex
+
+    def rank(self, r, now):
+        return (r.t_queued, r.seq)
+
+    def queues(self, s, plan, now):
+        reactive = plan.preempted or len(plan.rotated_out) > len(plan.proactive)
+        if reactive and not plan.proactive:
+            return []
+        return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
+
+    def before_run(self, s, plan, now):
+        bm = s.bm
+        budget = s.cfg.xfer_budget if s.cfg.swap_watermark is None else s.cfg.swap_watermark
+        if s.fits_all(s.running + s.waiting + s.rotary):
+            return
+        if bm.usage("host") >= 0.95 or bm.num_free >= budget:
+            return
+        freed = 0
+        for v in sorted(s.running, key=lambda v: (v.t_admitted, v.seq)):
+            if v.num_tokens - v.num_computed != 1 or not v.tokens_since_admit:
+                continue  # a decode, and (ours) one that has run since it was swapped in
+            n = len(bm.block_table(v.rid))
+            if freed + n >= budget:
                 break
-        else:
-            return  # everyone fits: behave as FCFS
-        order = s.queue_order(now) + sorted(s.running, key=lambda r: self.key(r, now))
-        # victims: running decodes that made progress and ran a full time slice since admission
-        # (no rotation livelock; each rotation costs its victim a token gap, so slices are not
-        # shorter than a few TBT SLOs), longest-running first, small enough to come back within
-        # one step's transfer budget
-        quantum = self.tbt_slo * 5 if self.quantum is None else self.quantum
-        victims = [r for r in reversed(order) if r.status is Status.RUNNING and self.vlt(r, now) < 0
-                   and r.in_decode and r.tokens_since_admit > 0 and now - r.t_admitted >= quantum
-                   and s.bm.num_blocks(r.rid) <= s.xfer_budget]
-        free, seats, moves = s.bm.device.num_free, s.max_num_seqs - len(s.running), 0
-        for r in [r for r in order if r.status is not Status.RUNNING]:
-            if r.status is Status.WAITING and s.hold_new(r):
-                continue
-            if self.vlt(r, now) < 0:
+            if bm.swap_out_effect(v.rid).host_need > bm.host.num_free:
                 break
-            need = s.footprint(r)
-            moves += s.bm.num_blocks(r.rid) if r.status is Status.ROTARY else 0
-            while (free < need or seats < 1) and victims:
-                host_need, copies = s.bm.swap_out_cost(victims[0].rid)
-                if host_need > s.bm.host.num_free or copies + moves > s.xfer_left:
-                    break
-                before = s.bm.device.num_free + len(s.bm.fenced)
-                s.rotate_out(victims.pop(0), now)
-                free += s.bm.device.num_free + len(s.bm.fenced) - before
-                seats += 1
-            if free < need or seats < 1 or moves > s.xfer_left:
-                break
-            free, seats = free - need, seats - 1
+            freed += n
+            s.rotate_out(plan, v, proactive=True)
 
-
-class RotaSchedReleased(RotaSched):
-    """The released code's simpler variant: alpha=1, beta=0, queues ordered by time spent in them."""
-    name = "rotasched-released"
-
-    def __init__(self, alpha: float = 1.0, beta_f: float = 0.0, beta_b: float = 0.0, duplex: bool = True,
-                 quantum: float | None = None):
-        super().__init__(alpha, beta_f, beta_b, duplex, quantum)
-
-    def vlt(self, r, now):
-        if r.status is Status.RUNNING:
-            return -(now - r.t_admitted)
-        return self.alpha * max(0.0, now - r.t_queued)
+    def victim(self, s, r, now):
+        return s.running[-1]
 
 
 POLICIES = {p.name: p for p in (Policy, FcfsSwap, PriorityPolicy, RotaSched, RotaSchedReleased)}
+ROTASCHED_PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "quantum": float,
+                    "bound": float, "alpha_on": str}
 
 
-def make_policy(name: str, **params) -> Policy:
-    """A policy by name; a name may carry RotaSched parameters, e.g. 'rotasched:alpha=1,quantum=0.5'
-    ('per-layer' stands for duplex=False, the ablation with vLLM v0's copies)."""
-    name, _, spec = name.partition(":")
-    for item in filter(None, spec.split(",")):
-        k, eq, v = item.partition("=")
-        if item == "per-layer":
-            params["duplex"] = False
-        elif not eq or k not in ("alpha", "beta_f", "beta_b", "quantum"):
-            raise ValueError(f"policy: cannot read {item!r} in {name}:{spec} (alpha=, beta_f=, beta_b=, quantum=, "
-                             "per-layer)")
-        else:
-            params[k] = float(v)
+def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Policy:
+    """A policy from its name, which may carry parameters: 'rotasched:alpha=1,quantum=0.5';
+    'per-layer' (any swapping policy) stands for vLLM v0's per-layer copies instead of DuplexKV."""
+    name, _, args = spec.partition(":")
     if name not in POLICIES:
         raise ValueError(f"policy: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
-    cls = POLICIES[name]
-    if params and not issubclass(cls, RotaSched):
-        raise ValueError(f"policy {name!r} takes no parameters, got {sorted(params)}")
+    cls, params = POLICIES[name], {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        if item == "per-layer" and cls in (RotaSched, RotaSchedReleased):
+            params["duplex"] = False
+        elif cls is RotaSched and eq and key in ROTASCHED_PARAMS:
+            params[key] = parse_param(spec, key, value, ROTASCHED_PARAMS[key])
+        else:
+            allowed = "alpha=, beta_f=, beta_b=, alpha_on=, quantum=, bound=, per-layer"
+            takes = {RotaSched: allowed, RotaSchedReleased: "per-layer"}.get(cls, "nothing")
+            raise ValueError(f"policy {spec!r}: cannot read {item!r} ({name} takes {takes})")
+    if cls is RotaSched:
+        return cls(**params, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
     return cls(**params)
+
+
+def parse_param(spec: str, key: str, value: str, kind: type):
+    if kind is str:
+        return value
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"policy {spec!r}: {key} must be a finite number >= 0, got {value!r}")
+    return x
 
 
 # ---------------------------------------------------------------- the mechanism
 
 class Scheduler:
-    def __init__(self, bm: BlockManager, policy: Policy | str = "rotasched", *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, xfer_budget: int = 2400, ttft_slo: float = 5.0,
-                 tbt_slo: float = 0.1, host_admit_limit: float = 0.9, log_path: str | None = None):
-        checks = {"max_num_seqs": max_num_seqs >= 1, "max_num_batched_tokens": max_num_batched_tokens >= max_num_seqs,
-                  "xfer_budget": xfer_budget >= 0, "ttft_slo": ttft_slo > 0, "tbt_slo": tbt_slo > 0,
-                  "host_admit_limit": 0 < host_admit_limit <= 1}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"{name}: invalid value {locals()[name]!r}"
-                                 + (" (must be >= max_num_seqs)" if name == "max_num_batched_tokens" else ""))
-        self.bm = bm
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        if isinstance(self.policy, RotaSched):
-            self.policy.ttft_slo, self.policy.tbt_slo = ttft_slo, tbt_slo
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.xfer_budget, self.ttft_slo, self.tbt_slo = xfer_budget, ttft_slo, tbt_slo
-        self.host_admit_limit = host_admit_limit
+    """Continuous batching over two tiers of KV blocks; cfg is an EngineConfig (config.py)."""
+
+    def __init__(self, bm: BlockManager, policy: Policy, cfg):
+        self.bm, self.policy, self.cfg = bm, policy, cfg
+        # DuplexKV may overlap a swap-in with the step before the request runs (a setting)
+        self.overlap = policy.duplex and bool(cfg.swap_in_overlap)
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.running: list[Request] = []     # in admission order
         self.rotary: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.steps = 0
-        self.log = open(log_path, "w") if log_path else None
-        self._plan: StepPlan | None = None
-        self._order: list[Request] | None = None
-        self.xfer_left = xfer_budget
+        self.num_steps = 0
+        self.log = open(cfg.log_path, "w") if cfg.log_path else None
+        self._seq = itertools.count()
+        self._budget = 0                     # tokens left in this step
+        self._xfer = 0                       # blocks the transfer budget still allows this step
+
+    @classmethod
+    def create(cls, cfg, num_device_blocks: int, num_host_blocks: int) -> "Scheduler":
+        """The policy cfg names, over a block manager of the given pool sizes."""
+        policy = make_policy(cfg.policy, cfg.ttft_slo, cfg.tbt_slo)
+        bm = BlockManager(num_device_blocks, num_host_blocks, cfg.block_size, policy.duplex)
+        return cls(bm, policy, cfg)
 
     # ------------------------------------------------------------ requests in and out
     def add(self, r: Request) -> None:
@@ -263,19 +369,23 @@ class Scheduler:
             raise ValueError(f"request {r.rid}: needs a non-empty prompt and max_tokens >= 1")
         need = self.bm.blocks_for(r.num_prompt + r.max_tokens)
         if need > self.bm.device.capacity:
-            raise ValueError(f"request {r.rid}: {r.num_prompt} prompt + {r.max_tokens} output tokens need {need} "
-                             f"KV blocks, more than the whole device pool ({self.bm.device.capacity} blocks)")
-        r.status, r.t_queued = Status.WAITING, r.arrival
+            raise ValueError(f"request {r.rid}: {r.num_prompt} prompt + {r.max_tokens} output "
+                             f"tokens need {need} KV blocks, more than the whole device pool "
+                             f"({self.bm.device.capacity} blocks)")
+        r.status, r.t_queued, r.seq = Status.WAITING, r.arrival, next(self._seq)
         self.requests[r.rid] = r
         self.waiting.append(r)
 
-    def abort(self, rid: str) -> Request:
+    def finish(self, rid: str, reason: str) -> None:
+        """End a request that the executor found complete (a stop string)."""
+        self._finish(self.requests[rid], Status.FINISHED, reason)
+
+    def abort(self, rid: str, reason: str = "abort") -> Request:
         r = self.requests.get(rid)
         if r is None:
             raise KeyError(f"unknown request {rid!r}")
-        if r.status in (Status.FINISHED, Status.ABORTED):
-            return r
-        self._finish(r, Status.ABORTED, "abort")
+        if r.status not in (Status.FINISHED, Status.ABORTED):
+            self._finish(r, Status.ABORTED, reason)
         return r
 
     def has_unfinished(self) -> bool:
@@ -289,150 +399,234 @@ class Scheduler:
             self.bm.free(r.rid)
         r.status, r.finish_reason = status, reason
 
-    # ------------------------------------------------------------ mechanism pieces policies use
-    def footprint(self, r: Request) -> int:
-        """Device blocks r needs to run its next step with all of its tokens in the cache."""
-        return self.bm.blocks_for(r.num_tokens + (1 if r.output else 0))
-
-    def hold_new(self, r: Request) -> bool:
-        """Admission control: hold new requests back while host KV is nearly full."""
-        h = self.bm.host
-        return (self.policy.preempt == "swap" and r.num_computed == 0 and h.capacity > 0
-                and len(h.owner) > self.host_admit_limit * h.capacity)
-
-    def rotate_out(self, r: Request, now: float) -> None:
-        _, copies = self.bm.swap_out_cost(r.rid)
-        self._plan.swap_out += self.bm.swap_out(r.rid)
-        self.xfer_left -= copies
-        self.running.remove(r)
-        self.rotary.append(r)
-        r.status, r.t_queued, r.rotations = Status.ROTARY, now, r.rotations + 1
-        self._plan.rotated_out.append(r.rid)
-        self._enqueue(r, now)
-
-    def recompute(self, r: Request, now: float) -> None:
-        self.bm.free(r.rid)
-        self.running.remove(r)
-        self.waiting.append(r)
-        r.status, r.num_computed, r.t_queued, r.recomputes = Status.WAITING, 0, now, r.recomputes + 1
-        self._plan.preempted.append(r.rid)
-        self._enqueue(r, now)
-
-    def _enqueue(self, r: Request, now: float) -> None:
-        if self._order is not None:
-            bisect.insort(self._order, r, key=lambda q: self.policy.key(q, now))
-
-    def preempt(self, r: Request, now: float) -> None:
-        host_need, copies = self.bm.swap_out_cost(r.rid)
-        if (self.policy.preempt == "swap" and host_need <= self.bm.host.num_free and copies <= self.xfer_left
-                and self.bm.num_blocks(r.rid) <= self.xfer_budget):  # it must be able to come back
-            self.rotate_out(r, now)
-        else:  # no host room or transfer budget left: fall back to recompute, never stall
-            self.recompute(r, now)
-
     # ------------------------------------------------------------ one step
-    def queue_order(self, now: float) -> list[Request]:
-        """Waiting and rotary requests, most urgent first (sorted once per step)."""
-        if self._order is None:
-            self._order = sorted(self.waiting + self.rotary, key=lambda r: self.policy.key(r, now))
-        return self._order
-
     def schedule(self, now: float) -> StepPlan:
-        plan = self._plan = StepPlan(self.bm.epoch, now, [], [], [])
-        self.xfer_left, self._order = self.xfer_budget, None
-        key = lambda r: self.policy.key(r, now)
-        self.policy.rotate(self, now)
-        budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
-        # 1. running requests, decodes first, then prefill chunks; preempt the worst on a block shortfall
-        queue = deque(sorted(self.running, key=lambda r: (not r.in_decode, key(r))))
-        while queue and budget > 0:
-            r = queue.popleft()
-            n = min(r.num_tokens - r.num_computed, budget)
-            while self.bm.new_blocks_needed(r.rid, n) > self.bm.device.num_free:
-                if self.bm.new_blocks_needed(r.rid, n) <= self.bm.device.num_free + len(self.bm.fenced):
-                    n = 0  # room frees up when in-flight copies land: wait a step
-                    break
-                victims = [v for v in self.running if v.rid not in scheduled and v is not r]
-                victim = max(victims, key=key) if victims else r
-                if victim is not r and key(victim) < key(r):
-                    victim = r  # never evict a more urgent request for a less urgent one
-                if victim in queue:
-                    queue.remove(victim)
-                self.preempt(victim, now)
-                if victim is r:
-                    n = 0
-                    break
-            if n > 0:
-                self._run(r, n)
-                scheduled.add(r.rid)
-                budget -= n
-        # 2. admit rotary and waiting requests in policy order while they fit
-        order = self.queue_order(now)
-        if self.policy.resume_rotary_first:
-            order = [r for r in order if r.status is Status.ROTARY] + [r for r in order if r.status is Status.WAITING]
-        for r in order:
-            if r.status not in (Status.WAITING, Status.ROTARY) or r.rid in plan.rotated_out:
-                continue  # admitted already, or rotated out this very step
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if r.status is Status.WAITING and self.policy.resume_rotary_first and self.rotary:
-                break  # vLLM v0: no new prefill while swapped requests wait
-            if r.status is Status.WAITING and self.hold_new(r):
-                continue
-            if r.status is Status.ROTARY:
-                moves = self.bm.num_blocks(r.rid)
-                n = min(r.num_tokens - r.num_computed, budget)
-                need = self.bm.blocks_for(r.num_computed + n)
-                if need > self.bm.device.num_free or moves > self.xfer_left:
-                    break
-                plan.swap_in += self.bm.swap_in(r.rid)
-                self.xfer_left -= moves
-                self.rotary.remove(r)
-                plan.rotated_in.append(r.rid)
-            else:
-                n = min(r.num_tokens - r.num_computed, budget)
-                if self.bm.new_blocks_needed(r.rid, n) > self.bm.device.num_free:
-                    break
-                self.waiting.remove(r)
-                plan.admitted.append(r.rid)
-            self.running.append(r)
-            r.status, r.t_admitted, r.tokens_since_admit = Status.RUNNING, now, 0
-            self._run(r, n)
-            budget -= n
-        # 3. eager write-back of full blocks with the transfer budget left (DuplexKV)
-        if self.bm.duplex:
-            reserve = int((1 - self.host_admit_limit) * self.bm.host.capacity)
-            for r in self.running:
-                if self.xfer_left <= 0:
-                    break
-                pairs = self.bm.writeback(r.rid, r.num_computed, self.xfer_left, reserve)
-                plan.swap_out += pairs
-                self.xfer_left -= len(pairs)
+        plan = StepPlan(self.bm.epoch, now)
+        self._budget, self._xfer = self.cfg.max_num_batched_tokens, self.cfg.xfer_budget
+        self.policy.before_run(self, plan, now)
+        self._run(plan, now)
+        for queue in self.policy.queues(self, plan, now):
+            self._admit(plan, queue, now)
+        self._write_back(plan)
         self.bm.next_epoch()
-        if self.log:
-            self.log.write(json.dumps(plan.log_record(self.steps)) + "\n")
-        self.steps += 1
         self._check(plan)
+        if self.log:
+            self.log.write(json.dumps(plan.log_record(self.num_steps)) + "\n")
+        self.num_steps += 1
         return plan
 
-    def _run(self, r: Request, n: int) -> None:
-        assert self.bm.seqs[r.rid].num_tokens == r.num_computed if r.rid in self.bm.seqs else r.num_computed == 0
+    def _run(self, plan: StepPlan, now: float) -> None:
+        """Step 1: decodes first, then prefill chunks, each in admission order."""
+        for r in sorted(self.running, key=lambda r: not r.in_decode):
+            if self._budget <= 0:
+                return
+            if r.status is not Status.RUNNING:
+                continue  # preempted for an earlier request of this loop
+            n = min(r.num_tokens - r.num_computed, self._budget)
+            if self._make_room(plan, r, n, now):
+                self._compute(plan, r, n)
+
+    def _make_room(self, plan: StepPlan, r: Request, n: int, now: float) -> bool:
+        """Free device blocks for r's next n tokens, preempting the policy's victims if needed."""
+        need = self.bm.new_blocks_needed(r.rid, n)
+        while need > self.bm.num_free:
+            if need <= self.bm.num_free + self.bm.num_fenced:
+                return False  # copies in flight will free the room: wait a step
+            victim = self.policy.victim(self, r, now)
+            self._preempt(plan, victim, now)
+            if victim is r:
+                return False
+        return True
+
+    def _admit(self, plan: StepPlan, queue: list[Request], now: float) -> None:
+        """Step 2: admit or rotate in, in order, until one does not fit."""
+        for c in queue:
+            if self._budget <= 0 or self._partial_prefill(plan):
+                return
+            if c.status is Status.WAITING and self._hold_new(c):
+                continue
+            if c.rid in plan.rotated_out:
+                continue  # its copy out is in flight: not back in the same step
+            victims = self._victims_for(plan, c, now)
+            if victims is None:
+                return
+            for v in victims:
+                self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
+            self._start(plan, c, now)
+
+    def _victims_for(self, plan: StepPlan, c: Request, now: float) -> list[Request] | None:
+        """The running requests to rotate out so that c fits this step ([] if it fits as is),
+        or None if it cannot fit even with every eligible victim: all or nothing."""
+        if self._fits(plan, c, []):
+            return []
+        if not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
+            return None
+        started = set(plan.admitted + plan.resumed + plan.rotated_in)
+        chosen: list[Request] = []
+        for v in self.policy.victims(self, plan, now):
+            if v.rid in started or not self._affordable(plan, chosen + [v]):
+                continue
+            chosen.append(v)
+            if self._fits(plan, c, chosen):
+                return chosen
+        return None
+
+    def _cost(self, plan: StepPlan, victims: list[Request]) -> tuple[int, int, int, int]:
+        """(device room, token budget, host blocks, blocks moved) once `victims` are rotated
+        out this step: the one place where a step's room is counted."""
+        room, budget, host, moves = self.bm.num_free, self._budget, 0, 0
+        for v in victims:
+            e = self.bm.swap_out_effect(v.rid, plan.chunks.get(v, 0))
+            room, budget = room + e.room, budget + plan.chunks.get(v, 0)
+            host, moves = host + e.host_need, moves + e.copies
+        return room, budget, host, moves
+
+    def _affordable(self, plan: StepPlan, victims: list[Request]) -> bool:
+        _, _, host, moves = self._cost(plan, victims)
+        return host <= self.bm.host.num_free and self._may_move(moves)
+
+    def _fits(self, plan: StepPlan, c: Request, victims: list[Request]) -> bool:
+        """Would c fit this step once `victims` are rotated out?"""
+        room, budget, host, moves = self._cost(plan, victims)
+        n = self._first_chunk(c, budget)
+        if c.status is Status.ROTARY:
+            moves += self.bm.num_blocks(c.rid)
+        elif n == 0 or (victims and c.num_computed + n < c.num_tokens):
+            return False  # a new request computes when admitted; a rotation buys its first token
+        return (self.bm.blocks_for(c.num_computed + n) <= room
+                and len(self.running) - len(victims) < self.cfg.max_num_seqs
+                and host <= self.bm.host.num_free and self._may_move(moves))
+
+    def _may_move(self, blocks: int) -> bool:
+        return self.policy.xfer_cap != "all" or blocks <= self._xfer
+
+    def _first_chunk(self, c: Request, budget: int) -> int:
+        """Tokens c computes in the step it is started: none for a swap-in that overlaps compute
+        (it joins at the next step, its copy under this step's forward)."""
+        if c.status is Status.ROTARY and self.overlap:
+            return 0
+        return min(c.num_tokens - c.num_computed, budget)
+
+    def _start(self, plan: StepPlan, c: Request, now: float) -> None:
+        n = self._first_chunk(c, self._budget)
+        if c.status is Status.ROTARY:
+            self._count_moves(self.bm.num_blocks(c.rid), proactive=False)
+            plan.swap_in += self.bm.swap_in(c.rid)
+            self.rotary.remove(c)
+            plan.rotated_in.append(c.rid)
+        else:
+            self.waiting.remove(c)
+            (plan.resumed if c.recomputes else plan.admitted).append(c.rid)
+        self.running.append(c)
+        c.status, c.t_admitted, c.tokens_since_admit = Status.RUNNING, now, 0
+        if n:
+            self._compute(plan, c, n)
+
+    # ------------------------------------------------------------ mechanism pieces
+    def _compute(self, plan: StepPlan, r: Request, n: int) -> None:
+        have = self.bm.seqs[r.rid].num_tokens if r.rid in self.bm.seqs else 0
+        assert have == r.num_computed, (r.rid, have, r.num_computed)
         self.bm.append(r.rid, n)
-        self._plan.chunks.append((r, n))
+        plan.chunks[r] = n
+        self._budget -= n
+
+    def _unschedule(self, plan: StepPlan, r: Request) -> None:
+        """Take r back out of this step: its tokens return to the budget, its new blocks free."""
+        n = plan.chunks.pop(r, 0)
+        if n:
+            self.bm.shrink(r.rid, n)
+            self._budget += n
+
+    def _preempt(self, plan: StepPlan, r: Request, now: float) -> None:
+        """Reactive preemption: rotate r out if the policy swaps and r can go, else recompute."""
+        self._unschedule(plan, r)
+        e = self.bm.swap_out_effect(r.rid)
+        capped = self.policy.xfer_cap == "all"
+        if (self.policy.preempt == "swap" and e.host_need <= self.bm.host.num_free
+                and (not capped or (e.copies <= self._xfer
+                                    and self.bm.num_blocks(r.rid) <= self.cfg.xfer_budget))):
+            self.rotate_out(plan, r)  # capped: it must be able to come back in one step
+        else:  # no host room or transfer budget: recompute, never stall
+            self.bm.free(r.rid)
+            self.running.remove(r)
+            self.waiting.append(r)
+            r.status, r.num_computed, r.t_queued = Status.WAITING, 0, now
+            r.recomputes += 1
+            plan.preempted.append(r.rid)
+
+    def rotate_out(self, plan: StepPlan, r: Request, for_rid: str | None = None,
+                   proactive: bool = False) -> None:
+        """Park r's KV on host. Reactive (a running request needs the room) unless proactive;
+        for_rid names the candidate the room is for."""
+        self._unschedule(plan, r)
+        pairs = self.bm.swap_out(r.rid)
+        self._count_moves(len(pairs), proactive)
+        plan.swap_out += pairs
+        self.running.remove(r)
+        self.rotary.append(r)
+        r.status, r.t_queued = Status.ROTARY, plan.now
+        r.rotations += 1
+        plan.rotated_out.append(r.rid)
+        if proactive:
+            plan.proactive.append(r.rid)
+        if for_rid is not None:
+            plan.rotated_for[r.rid] = for_rid
+
+    def _count_moves(self, n: int, proactive: bool) -> None:
+        cap = self.policy.xfer_cap
+        if cap == "all" or (cap == "proactive" and proactive):
+            self._xfer -= n
+
+    def _hold_new(self, r: Request) -> bool:
+        """Admission control: hold new requests back while host KV is nearly full."""
+        return (self.policy.preempt == "swap" and r.num_computed == 0 and self.bm.host.capacity > 0
+                and self.bm.usage("host") > self.cfg.host_admit_limit)
+
+    def _partial_prefill(self, plan: StepPlan) -> bool:
+        """Some policies (the released one's vLLM V1) allow one unfinished prefill per step."""
+        return self.policy.one_partial_prefill and any(
+            r.num_computed + n < r.num_tokens for r, n in plan.chunks.items())
+
+    def fits_all(self, requests: list[Request]) -> bool:
+        """Could free device blocks hold what every one of these requests needs next?"""
+        need = 0
+        for r in requests:
+            if r.status is Status.RUNNING:
+                need += self.bm.new_blocks_needed(r.rid, r.num_tokens - r.num_computed)
+            else:
+                need += self.bm.blocks_for(r.num_tokens)
+        return need <= self.bm.num_free
+
+    def _write_back(self, plan: StepPlan) -> None:
+        """Step 3 (DuplexKV): copy full blocks to their host mirrors, so a later rotation out
+        copies only what is still dirty. Host room for rotations is kept in reserve."""
+        if not self.policy.duplex:
+            return
+        capped = self.policy.xfer_cap == "all"
+        reserve = int((1 - self.cfg.host_admit_limit) * self.bm.host.capacity) if capped else 0
+        for r in self.running:
+            limit = self._xfer if capped else math.inf
+            if limit <= 0:
+                return
+            # full blocks of what earlier steps computed (this step's tokens are not written yet)
+            pairs = self.bm.writeback(r.rid, r.num_computed, limit, reserve)
+            plan.swap_out += pairs
+            self._count_moves(len(pairs), proactive=False)
 
     def _check(self, plan: StepPlan) -> None:
-        assert plan.num_tokens <= self.max_num_batched_tokens, "token budget exceeded"
-        assert len(plan.chunks) <= self.max_num_seqs and len(self.running) <= self.max_num_seqs, "batch too large"
-        assert plan.blocks_moved <= self.xfer_budget, "transfer budget exceeded"
-        for r, n in plan.chunks:
+        cfg = self.cfg
+        assert plan.num_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
+        assert len(self.running) <= cfg.max_num_seqs, "batch too large"
+        if self.policy.xfer_cap == "all":
+            assert plan.blocks_moved <= cfg.xfer_budget, "transfer budget exceeded"
+        for r, n in plan.chunks.items():
             assert r.status is Status.RUNNING and n > 0 and r.num_computed + n <= r.num_tokens
 
     def update(self, plan: StepPlan, sampled: dict[str, int], now: float) -> list[Request]:
-        """Apply a step's results: KV computed, one token sampled for each request that finished its
-        chunk at the end of its tokens. Returns the requests that finished."""
+        """Apply a step's results: KV computed, one token sampled for each request that finished
+        its chunk at the end of its tokens. Returns the requests that finished."""
         finished = []
-        for r, n in plan.chunks:
+        for r, n in plan.chunks.items():
             if r.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             r.num_computed += n
@@ -444,12 +638,11 @@ class Scheduler:
             r.t_last_token = now
             r.tokens_since_admit += 1
             if tok in r.stop_ids:
-                reason = "stop"
+                self._finish(r, Status.FINISHED, "stop")
             elif len(r.output) >= r.max_tokens:
-                reason = "length"
+                self._finish(r, Status.FINISHED, "length")
             else:
                 continue
-            self._finish(r, Status.FINISHED, reason)
             finished.append(r)
         return finished
 

@@ -1,9 +1,10 @@
 """sim.py: the cost model on hand-computed cases, determinism, scheduler invariants under it."""
 import pytest
 
-from kv import BlockManager
-from sched import Scheduler, make_policy
-from sim import MODELS, PROFILES, CostModel, Hardware, ModelSpec, poisson_requests, run_policy, simulate
+from config import EngineConfig
+from scheduler import Scheduler
+from sim import (MODELS, PROFILES, CostModel, Hardware, ModelSpec, main, poisson_requests,
+                 run_policy, simulate)
 from test_sched import check_step
 
 
@@ -16,7 +17,7 @@ def test_model_sizes():
 
 
 def test_decode_at_batch_1_is_weight_bandwidth_bound():
-    hw, m = PROFILES["gh200"], MODELS["llama-3-8b"]
+    hw, m = PROFILES["gh200-96"], MODELS["llama-3-8b"]
     c = CostModel(m, hw)
     t = c.compute_time(tokens=1, ctx_tokens=100, attn_pairs=100)
     assert t == pytest.approx((m.weight_bytes + 101 * m.kv_bytes_per_token) / (hw.hbm_bw * hw.mbu))
@@ -25,7 +26,7 @@ def test_decode_at_batch_1_is_weight_bandwidth_bound():
 
 
 def test_merged_vs_per_layer_transfer():
-    hw, m = PROFILES["gh200"], MODELS["llama-3-8b"]
+    hw, m = PROFILES["gh200-96"], MODELS["llama-3-8b"]
     c = CostModel(m, hw)
     n = 100
     merged = c.transfer_time(n, 0, 1, 0, duplex=True)
@@ -44,19 +45,20 @@ def test_simulation_is_deterministic():
     c = CostModel(MODELS["llama-3-8b"], PROFILES["h100-pcie"])
     lengths = [(500, 100), (2000, 300), (100, 20)]
     reqs = poisson_requests(20.0, 10.0, lengths, seed=3)
-    a = run_policy("rotasched", reqs, c, ttft_slo=5.0, tbt_slo=0.1)
-    b = run_policy("rotasched", poisson_requests(20.0, 10.0, lengths, seed=3), c, ttft_slo=5.0, tbt_slo=0.1)
+    cfg = EngineConfig(max_num_seqs=1024, max_num_batched_tokens=8192)
+    a = run_policy("rotasched", reqs, c, cfg)
+    b = run_policy("rotasched", poisson_requests(20.0, 10.0, lengths, seed=3), c, cfg)
     assert a == b and a["num_requests"] == len(reqs)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap", "rotasched", "rotasched-released"])
 def test_invariants_hold_under_the_cost_model(policy):
-    c = CostModel(MODELS["llama-3-8b"], PROFILES["gh200"])
-    p = make_policy(policy)
-    bm = BlockManager(400, 4000, 16, duplex=p.duplex)   # a small pool so that rotation happens
-    s = Scheduler(bm, p, max_num_seqs=64, max_num_batched_tokens=1024, ttft_slo=2.0, tbt_slo=0.1)
+    c = CostModel(MODELS["llama-3-8b"], PROFILES["gh200-96"])
+    cfg = EngineConfig(policy=policy, max_num_seqs=64, max_num_batched_tokens=1024, ttft_slo=2.0,
+                       xfer_budget=200)
+    s = Scheduler.create(cfg, 400, 4000)               # a small pool so that rotation happens
     reqs = poisson_requests(40.0, 5.0, [(300, 200), (1500, 100), (50, 400)], seed=1)
-    done, rejected = simulate(s, reqs, lambda plan: c.step_time(plan, p.duplex),
+    done, rejected = simulate(s, reqs, lambda plan: c.step_time(plan, s.policy.duplex),
                               on_step=lambda plan, now: check_step(s, plan))
     assert len(done) == len(reqs) and not rejected
 
@@ -77,3 +79,32 @@ def test_bad_model_and_fit():
         ModelSpec("bad", 0, 64, 4, 2, 128, 100)
     with pytest.raises(ValueError, match="does not fit"):
         CostModel(MODELS["qwen2.5-32b"], Hardware("tiny", 1e12, 1e12, 16e9, 8e9, 1e10, 2e10, 1e-6, 1e-3))
+
+
+def test_tensor_parallel_cost():
+    """tp GPUs: per-GPU compute and weights shrink by tp, the pool grows, all-reduces cost time."""
+    m, hw = MODELS["qwen2.5-32b"], PROFILES["h100-pcie"]
+    one, two = CostModel(m, hw), CostModel(m, hw, tp=2)
+    assert two.device_blocks > 2 * one.device_blocks     # half the weights per GPU: more room
+    t1, t2 = one.compute_time(4096, 0, 4096 * 2048), two.compute_time(4096, 0, 4096 * 2048)
+    ar = 2 * m.layers * (2 * 1 / 2 * 4096 * m.hidden * 2 / hw.p2p_bw + 2 * hw.p2p_latency)
+    assert two.allreduce_time(4096) == pytest.approx(ar)
+    assert t2 == pytest.approx(t1 / 2 + ar)
+    with pytest.raises(ValueError, match="must divide"):
+        CostModel(m, hw, tp=3)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rates", "-1"], "must be > 0"), (["--rates", "x"], "--rates"),
+    (["--duration", "0"], "--duration must be > 0"), (["--hw", "tpu"], "invalid choice"),
+    (["--policies", "fcfs,lifo"], "unknown policy 'lifo'"), (["--max-len", "1"], "--max-len"),
+])
+def test_bad_arguments_are_one_line_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_huge_rate_is_capped_and_zero_arrivals_are_skipped(capsys):
+    main(["--rates", "1e-6", "--duration", "1", "--policies", "fcfs"])
+    assert "no request arrives" in capsys.readouterr().out
