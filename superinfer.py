@@ -1,50 +1,69 @@
-"""SuperInfer engine: the step loop, the vLLM-style LLM / SamplingParams API, and the CLI.
+"""SuperInfer engine: the step loop, and the vLLM-style LLM / SamplingParams API.
 
-    now -> sched.schedule(now) -> StepPlan
-        -> copier.submit(swap_out, swap_in)      both directions in flight together
-        -> model(batch, kv pool)                 waits only for this step's swap-ins
-        -> sample -> sched.update(tokens, now)   streamed tokens, finished requests
+    now -> scheduler.schedule(now) -> StepPlan
+        -> runner.execute(copies, chunks)       both directions in flight, then the forward
+        -> sample -> scheduler.update(tokens)   streamed tokens, finished requests
 
-    python superinfer.py "Why is the sky blue?"
+A step is atomic with respect to errors: if it fails, the requests it ran are aborted with the
+error, their blocks freed, and the engine serves everything else.
+
+    python superinfer.py "Why is the sky blue?"        (the command line is cli.py)
 """
 from __future__ import annotations
 
-import argparse
 import itertools
+import math
+import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+from tokenizers.decoders import DecodeStream
 
-from kv import BlockManager, DuplexCopier, KVPools, block_bytes, blocks_for_budget
-from model import Llama, load_model, make_batch, resolve_dtype
-from sched import Request, Scheduler, Status, make_policy
+from config import EngineConfig, check_float, check_int
+from loader import load_model
+from model import Seq
+from runner import Runner, pool_sizes
+from scheduler import Request, Scheduler, Status
+from tp import TPRunner
 
-SCHEDULER_PARAMS = ("xfer_budget", "ttft_slo", "tbt_slo", "host_admit_limit", "log_path")
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0     # 0 = greedy
+    temperature: float = 1.0     # 0 (or < 1e-5) = greedy
     top_p: float = 1.0
-    top_k: int = 0               # 0 (or -1) = off
+    top_k: int = 0               # 0 or -1 = off
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)          # stop strings (not in the output)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0.0, lo_open=False)
+        check_float("top_p", self.top_p, 0.0, 1.0)
+        check_int("top_k", self.top_k, -1)
+        check_int("seed", self.seed, -2**63, 2**64 - 1, allow_none=True)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s
+                                                               for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids[]", t, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
 
 @dataclass
@@ -64,9 +83,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: str | None    # "stop", "length", "abort", "error"; None while running
     metrics: RequestMetrics
-    error: ValueError | None = None   # set when the request was rejected; others still ran
+    error: Exception | None = None  # why the request was rejected or failed; others still ran
 
     @property
     def finished(self) -> bool:
@@ -75,99 +94,144 @@ class RequestOutput:
 
 @dataclass
 class TokenEvent:
-    """One streamed token (step() returns these)."""
+    """One streamed token (step() returns these); text is its decoded piece, maybe empty."""
     request_id: str
     token_id: int
+    text: str
     finished: bool
     finish_reason: str | None
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:
-    """One token per row; greedy rows are one argmax, the rest temperature / top-k / top-p."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.temperature == 0:
-            continue
-        row = logits[i].cpu() / p.temperature  # per-request CPU generators: same draws on any device
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1:
-            sorted_logits, idx = row.sort(descending=True)
-            probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs > p.top_p   # keep the smallest prefix reaching top_p
-            row = row.scatter(0, idx[drop], float("-inf"))
-        out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=gens[i]))
-    return out
+class EngineError(RuntimeError):
+    """A step failed; its requests were aborted with the error and the engine serves on."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The engine's record of one request: the scheduler's Request and how to sample it."""
+    req: Request
+    params: SamplingParams
+    gen: torch.Generator
+    prompt_text: str | None
+    stream: DecodeStream | None
+    text: str = ""
+    error: Exception | None = None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           gens: list[torch.Generator]) -> list[int | None]:
+    """One token per row; None where the row's logits are not finite. Greedy rows take the
+    argmax; the others are filtered (top-k, then top-p) and sampled in float64 by inverse CDF
+    with one uniform draw from the request's own generator, so a seed gives the same tokens
+    whatever the batch."""
+    out: list[int | None] = logits.argmax(-1).tolist()
+    ok = torch.isfinite(logits).all(-1).tolist()
+    rows = [i for i, p in enumerate(params) if ok[i] and p.temperature >= GREEDY_EPS]
+    if rows:
+        vocab = logits.shape[-1]
+        x = logits[rows].double() / torch.tensor([params[i].temperature for i in rows],
+                                                 dtype=torch.float64)[:, None]
+        x, idx = x.sort(dim=-1, descending=True, stable=True)
+        k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows])
+        probs = x.masked_fill(torch.arange(vocab) >= k[:, None], -math.inf).softmax(-1)
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
+        cdf = probs.cumsum(-1)
+        u = torch.stack([torch.rand((), dtype=torch.float64, generator=gens[i]) for i in rows])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
+        for i, tok in zip(rows, idx.gather(1, pick)[:, 0].tolist()):
+            out[i] = tok
+    return [t if ok[i] else None for i, t in enumerate(out)]
 
 
 class Engine:
-    """Owns the model, the KV pools, the copier and the scheduler; step() runs one iteration."""
+    """Owns the scheduler and a runner (model, KV pools, copier); step() runs one iteration."""
 
-    def __init__(self, model: Llama, tokenizer=None, *, policy: str = "rotasched", block_size: int = 16,
-                 num_device_blocks: int | None = None, num_host_blocks: int | None = None,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 clock: Callable[[], float] | None = None, **params):
+    def __init__(self, cfg: EngineConfig | None = None, model=None, tokenizer=None,
+                 clock: Callable[[], float] | None = None, streams=None, **settings):
+        self.cfg = cfg = cfg or EngineConfig.from_kwargs(**settings)
+        if cfg.tensor_parallel_size > 1:
+            self.runner = TPRunner(cfg, model)
+            model, tokenizer = self.runner.model, tokenizer or self.runner.tokenizer
+        elif model is None:
+            model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
         self.model, self.tokenizer = model, tokenizer
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        if cfg.swap_in_overlap is None:  # overlap a swap-in with compute where copies are async
+            overlap = next(model.parameters()).device.type == "cuda"
+            self.cfg = cfg = replace(cfg, swap_in_overlap=overlap)
         self.clock = clock or time.perf_counter
-        sched_params = {k: params.pop(k) for k in SCHEDULER_PARAMS if k in params}
-        pol = make_policy(policy, **params)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        shape = model.kv_block_shape(block_size)
-        if num_device_blocks is None:  # a GPU gets most of its free memory; a CPU 256 MiB
-            num_device_blocks = blocks_for_budget(0.8 if self.device.type == "cuda" else 2**28, shape,
-                                                  self.dtype, self.device)
-        if num_host_blocks is None:  # twice the device pool, within a quarter of the free host memory
-            num_host_blocks = min(2 * num_device_blocks, blocks_for_budget(0.25, shape, self.dtype, torch.device("cpu")))
-        self.pools = KVPools(num_device_blocks, num_host_blocks, shape, self.dtype, self.device)
-        self.block_bytes = block_bytes(shape, self.dtype)
-        self.bm = BlockManager(num_device_blocks, num_host_blocks, block_size, duplex=pol.duplex)
-        self.copier = DuplexCopier(self.pools, duplex=pol.duplex)
-        self.sched = Scheduler(self.bm, pol, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens, **sched_params)
+        dev_blocks, host_blocks = pool_sizes(model, cfg, next(model.parameters()).device)
+        self.sched = Scheduler.create(cfg, dev_blocks, host_blocks)
+        self.bm = self.sched.bm
+        if cfg.tensor_parallel_size > 1:
+            self.runner.start(dev_blocks, host_blocks, self.sched.policy.duplex)
+        else:
+            self.runner = Runner(model, cfg, dev_blocks, host_blocks, self.sched.policy.duplex,
+                                 streams)
         self.max_model_len = model.cfg.max_position_embeddings
         self.eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
-        self.params: dict[str, SamplingParams] = {}
-        self.gens: dict[str, torch.Generator] = {}
-        self.texts: dict[str, str | None] = {}
-        self.rng = torch.Generator().manual_seed(torch.seed() & 0xFFFF_FFFF)
+        self.seqs: dict[str, Sequence] = {}
+        self.rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None
+                                                 else secrets.randbits(63))
         self.ids = itertools.count()
-        self.steps = 0
 
     # ------------------------------------------------------------ requests
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt (text or ids); ValueError for anything else."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return self.tokenizer(prompt).input_ids if prompt else []
-        if not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.model.cfg.vocab_size})")
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            try:
+                return self.tokenizer(prompt).input_ids
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise ValueError(f"prompt: cannot tokenize this text ({e})") from None
+        if isinstance(prompt, (bytes, bytearray)):
+            raise ValueError("prompt: bytes are not a prompt; pass text (str) or token ids")
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        vocab = self.model.cfg.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, request_id: str | None = None) -> str:
-        """Queue one request; a ValueError names what is wrong with it and leaves the others untouched."""
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    request_id: str | None = None, ttft_slo: float | None = None,
+                    tbt_slo: float | None = None) -> str:
+        """Queue one request. Everything is checked first: a ValueError names what is wrong and
+        leaves the engine as it was."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        check_int("priority", priority, -2**31, 2**31)
+        for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
+            if slo is not None:
+                check_float(name, slo)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        check_float("arrival_time", arrival, -math.inf, lo_open=False)
+        rid = str(next(self.ids)) if request_id is None else request_id
+        if not isinstance(rid, str) or rid in self.seqs:
+            raise ValueError(f"request_id must be a new string, got {rid!r}")
         ids = self.encode(prompt)
-        rid = request_id if request_id is not None else str(next(self.ids))
         if not ids:
             raise ValueError(f"request {rid}: empty prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"request {rid}: {len(ids)} prompt + {params.max_tokens} output tokens exceed "
-                             f"the model's context of {self.max_model_len} tokens")
+            raise ValueError(f"request {rid}: {len(ids)} prompt + {params.max_tokens} output "
+                             f"tokens exceed the model's context of {self.max_model_len} tokens")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
-        req = Request(rid, len(ids), params.max_tokens, self.clock() if arrival_time is None else arrival_time,
-                      prompt=ids, priority=priority, stop_ids=frozenset(stop))
-        self.sched.add(req)  # raises if it can never fit the KV pool
-        self.params[rid] = params
-        self.gens[rid] = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self.rng)))
-        self.texts[rid] = prompt if isinstance(prompt, str) else None
+        req = Request(rid, len(ids), params.max_tokens, arrival, prompt=ids, priority=priority,
+                      ttft_slo=ttft_slo, tbt_slo=tbt_slo, stop_ids=frozenset(stop))
+        self.sched.add(req)  # raises (changing nothing) if it can never fit the KV pool
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(2**62, (), generator=self.rng))
+        stream = DecodeStream(skip_special_tokens=True) if self.tokenizer is not None else None
+        self.seqs[rid] = Sequence(req, params, torch.Generator().manual_seed(seed),
+                                  prompt if isinstance(prompt, str) else None, stream)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -178,73 +242,137 @@ class Engine:
 
     # ------------------------------------------------------------ one iteration
     def step(self) -> list[TokenEvent]:
-        self.bm.copies_done(self.copier.completed_epoch())
+        self.bm.copies_done(self.runner.completed_epoch())
         plan = self.sched.schedule(self.clock())
-        self.copier.submit(plan.epoch, plan.swap_out, plan.swap_in)
-        sampled: dict[str, int] = {}
-        if plan.chunks:
-            seqs, samplers = [], []
-            for r, n in plan.chunks:
-                last = r.num_computed + n == r.num_tokens
-                seqs.append((r.token_slice(r.num_computed, r.num_computed + n), r.num_computed,
-                             self.bm.block_table(r.rid), last))
-                if last:
-                    samplers.append(r.rid)
-            batch = make_batch(seqs, self.bm.block_size, self.device)
-            self.copier.wait_inputs()
-            logits = self.model(batch, self.pools.device)
-            toks = sample(logits, [self.params[rid] for rid in samplers], [self.gens[rid] for rid in samplers])
-            sampled = dict(zip(samplers, toks))
-        now = self.clock()
-        finished = {r.rid for r in self.sched.update(plan, sampled, now)}
-        self.steps += 1
-        return [TokenEvent(rid, tok, rid in finished, self.sched.requests[rid].finish_reason)
-                for rid, tok in sampled.items()]
+        seqs = [Seq(r.token_slice(r.num_computed, r.num_computed + n), r.num_computed,
+                    self.bm.block_table(r.rid), r.num_computed + n == r.num_tokens)
+                for r, n in plan.chunks.items()]
+        try:
+            logits = self.runner.execute(plan.epoch, plan.swap_out, plan.swap_in, seqs)
+            sampled = self._sample(plan, logits)
+        except BaseException as e:
+            self._fail(plan, e)
+        finished = {r.rid for r in self.sched.update(plan, sampled, self.clock())}
+        return [self._emit(rid, tok, rid in finished) for rid, tok in sampled.items()]
+
+    def _sample(self, plan, logits) -> dict[str, int]:
+        wanting = [self.seqs[r.rid] for r, n in plan.chunks.items()
+                   if r.num_computed + n == r.num_tokens]
+        if not wanting:
+            return {}
+        toks = sample(logits, [s.params for s in wanting], [s.gen for s in wanting])
+        sampled = {}
+        for s, tok in zip(wanting, toks):
+            if tok is None:  # this request alone fails; the rest of the batch goes on
+                s.error = EngineError(f"request {s.req.rid}: the model produced non-finite logits")
+                self.sched.abort(s.req.rid, reason="error")
+            else:
+                sampled[s.req.rid] = tok
+        return sampled
+
+    def _emit(self, rid: str, tok: int, finished: bool) -> TokenEvent:
+        """Decode the token's text incrementally (multi-byte characters are never split) and
+        finish the request at a stop string, which is left out of the text."""
+        s = self.seqs[rid]
+        piece = ""
+        if s.stream is not None:
+            piece = s.stream.step(self.tokenizer.backend_tokenizer, tok) or ""
+        if s.params.stop:
+            text = s.text + piece
+            hits = [i for i in (text.find(x, max(0, len(s.text) - len(x))) for x in s.params.stop)
+                    if i >= 0]
+            if hits:
+                piece = text[:min(hits)][len(s.text):]
+                if finished:
+                    s.req.finish_reason = "stop"
+                else:
+                    self.sched.finish(rid, "stop")
+                finished = True
+        s.text += piece
+        return TokenEvent(rid, tok, piece, finished, s.req.finish_reason)
+
+    def _fail(self, plan, err: BaseException):
+        """A step raised: abort the requests it touched (their KV is unknown), let in-flight
+        copies land, and report. The engine keeps serving the others."""
+        touched = {r.rid for r in plan.chunks} | set(plan.rotated_in) | set(plan.rotated_out)
+        try:
+            self.runner.synchronize()
+        finally:
+            for rid in touched:
+                s = self.seqs.get(rid)
+                if s is not None and s.req.status not in (Status.FINISHED, Status.ABORTED):
+                    s.error = EngineError(f"request {rid}: the step running it failed: {err!r}")
+                    self.sched.abort(rid, reason="error")
+            self.bm.copies_done(self.runner.completed_epoch())
+        if not isinstance(err, Exception):
+            raise err  # KeyboardInterrupt, SystemExit: the caller's, after the cleanup
+        raise EngineError(f"step failed ({err!r}); its {len(touched)} requests were aborted, "
+                          "the engine serves on") from err
 
     # ------------------------------------------------------------ results
     def output(self, rid: str) -> RequestOutput:
-        r = self.sched.requests[rid]
-        text = self.tokenizer.decode(r.output, skip_special_tokens=True) if self.tokenizer else ""
-        m = RequestMetrics(r.arrival, r.token_times[0] if r.token_times else None, list(r.token_times),
-                           r.token_times[-1] if r.status is Status.FINISHED else None, r.rotations, r.recomputes)
-        return RequestOutput(rid, self.texts.get(rid), list(r.prompt or []), list(r.output), text,
-                             r.finish_reason, m)
+        s = self.seqs[rid]
+        r = s.req
+        m = RequestMetrics(r.arrival, r.token_times[0] if r.token_times else None,
+                           list(r.token_times),
+                           r.token_times[-1] if r.status is Status.FINISHED and r.token_times else None,
+                           r.rotations, r.recomputes)
+        return RequestOutput(rid, s.prompt_text, list(r.prompt or []), list(r.output), s.text,
+                             r.finish_reason, m, s.error)
 
     def release(self, rid: str) -> None:
-        """Forget a finished request's bookkeeping (long-running servers call this)."""
-        for d in (self.params, self.gens, self.texts, self.sched.requests):
-            d.pop(rid, None)
+        """Forget a finished request (long-running servers call this)."""
+        self.seqs.pop(rid, None)
+        self.sched.requests.pop(rid, None)
 
     def stats(self) -> dict:
-        reqs = self.sched.requests.values()
-        return {"steps": self.steps, "rotations": sum(r.rotations for r in reqs),
-                "recomputes": sum(r.recomputes for r in reqs), "blocks_moved": self.copier.blocks_moved,
-                "bytes_moved": self.copier.blocks_moved * self.block_bytes, "copies": self.copier.copies}
+        reqs = [s.req for s in self.seqs.values()]
+        copier = self.runner.copier
+        return {"steps": self.sched.num_steps, "rotations": sum(r.rotations for r in reqs),
+                "recomputes": sum(r.recomputes for r in reqs),
+                "blocks_moved": copier.blocks_moved,
+                "bytes_moved": copier.blocks_moved * self.block_bytes, "copies": copier.copies,
+                "running": len(self.sched.running), "waiting": len(self.sched.waiting),
+                "rotary": len(self.sched.rotary), "device_usage": self.bm.usage("device"),
+                "host_usage": self.bm.usage("host")}
+
+    @property
+    def block_bytes(self) -> int:
+        pool = self.runner.pools.device
+        return pool[0].numel() * pool.element_size() * self.cfg.tensor_parallel_size
+
+    def close(self) -> None:
+        self.sched.close()
+        self.runner.close()
 
 
 class LLM:
-    """Offline inference, vLLM-style: LLM(model).generate(prompts, SamplingParams(...))."""
+    """Offline inference, vLLM-style: LLM(model, **settings).generate(prompts, SamplingParams()).
+    Settings are EngineConfig's fields (config.py)."""
 
-    def __init__(self, model: str | None = None, *, policy: str = "rotasched", device=None, dtype=None,
-                 block_size: int = 16, num_device_blocks: int | None = None, num_host_blocks: int | None = None,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, **policy_params):
-        if device is not None:
-            device = torch.device(device)
-        if dtype is not None:
-            dtype = resolve_dtype(dtype, device or torch.device("cpu"))
-        m, tok = load_model(model, device, dtype)
-        self.engine = Engine(m, tok, policy=policy, block_size=block_size, num_device_blocks=num_device_blocks,
-                             num_host_blocks=num_host_blocks, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens, **policy_params)
-        self.tokenizer = tok
+    def __init__(self, model: str | None = None, **settings):
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **settings))
+        self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts (str or token-id lists) to completion; outputs in input order. A bad prompt gets
-        an output with .error set (a ValueError naming the problem) and the others still complete."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """An LLM over an engine built elsewhere (a model already in memory, a test's clock)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts (text or token-id lists) to completion; outputs in input order. A prompt
+        that cannot run gets an output with .error set and the others still complete."""
+        if isinstance(prompts, (str, bytes)) or (isinstance(prompts, list) and prompts and all(
+                isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # one prompt: text, or a list of token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got "
+                             f"{type(prompts).__name__}")
         if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         e = self.engine
@@ -252,19 +380,25 @@ class LLM:
         for prompt, p in zip(prompts, params):
             try:
                 slots.append(e.add_request(prompt, p))
-            except ValueError as err:
-                ids = prompt if isinstance(prompt, list) else []
-                slots.append(RequestOutput("rejected", prompt if isinstance(prompt, str) else None, ids, [], "",
-                                           "error", RequestMetrics(e.clock()), error=err))
-        while e.has_unfinished():
-            e.step()
+            except Exception as err:  # any per-prompt failure is that prompt's error
+                slots.append(RequestOutput("rejected", prompt if isinstance(prompt, str) else None,
+                                           [], [], "", "error", RequestMetrics(e.clock()), err))
+        ours = [s for s in slots if isinstance(s, str)]
+        try:
+            while any(e.seqs[rid].req.finish_reason is None for rid in ours):
+                try:
+                    e.step()
+                except EngineError:
+                    pass  # the failed step's requests carry the error; the rest go on
+        except BaseException:
+            for rid in ours:
+                e.abort(rid)
+            raise
         outs = []
         for s in slots:
+            outs.append(e.output(s) if isinstance(s, str) else s)
             if isinstance(s, str):
-                outs.append(e.output(s))
                 e.release(s)
-            else:
-                outs.append(s)
         return outs
 
     def chat_prompt(self, message: str) -> str | list[int]:
@@ -274,31 +408,10 @@ class LLM:
                                                       add_generation_prompt=True, return_dict=False)
         return message
 
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Generate a reply with SuperInfer (the embedded SmolLM2-135M-Instruct "
-                                             "unless --model is given).")
-    ap.add_argument("prompt", help="the user message")
-    ap.add_argument("--model", default=None, help="HF Llama checkpoint directory or .gguf file (default: embedded)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--policy", default="rotasched",
-                    help="scheduling policy: fcfs, fcfs-swap, priority, rotasched, rotasched-released")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on GPU)")
-    ap.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
-    args = ap.parse_args(argv)
-    llm = LLM(args.model, policy=args.policy, device=args.device, dtype=args.dtype)
-    prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
-    out = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                                top_p=args.top_p, top_k=args.top_k, seed=args.seed))[0]
-    if out.error:
-        raise SystemExit(f"error: {out.error}")
-    print(out.text)
+    def close(self) -> None:
+        self.engine.close()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command line lives in cli.py, above the engine
+    import cli
+    cli.main()

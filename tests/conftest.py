@@ -1,3 +1,4 @@
+import itertools
 import os
 import sys
 
@@ -8,8 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.manual_seed(0)
 
 
-def hf_config_dict(vocab=97, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, tied=False, rope=None,
-                   theta=10000.0, max_pos=256):
+def hf_config_dict(vocab=97, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, tied=False,
+                   rope=None, theta=10000.0, max_pos=256):
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
@@ -23,18 +24,34 @@ def hf_config_dict(vocab=97, hidden=32, inter=48, layers=2, heads=4, kv_heads=2,
 def tiny_pair(seed=0, **kw):
     """(our model, HF LlamaForCausalLM) on the same random fp32 weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from model import ModelConfig, build_model
+    from loader import build_model, config_from_hf
     cfg_dict = hf_config_dict(**kw)
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(LlamaConfig(**cfg_dict)).float().eval()
     with torch.no_grad():  # HF inits norms to ones; randomise them so a wrong norm shows
         for n, p in hf.named_parameters():
             p.copy_(torch.randn_like(p) * (0.2 if "norm" not in n else 0.3) + (1.0 if "norm" in n else 0.0))
-    ours = build_model(ModelConfig.from_hf(cfg_dict), dict(hf.state_dict()), "cpu", torch.float32, "test")
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    ours = build_model(config_from_hf(cfg_dict), state, "cpu", torch.float32, "test")
     return ours, hf
+
+
+def virtual_clock(dt=0.05):
+    ticks = itertools.count()
+    return lambda: next(ticks) * dt
 
 
 @pytest.fixture(scope="session")
 def smollm():
-    from model import load_model
+    """The embedded SmolLM2 (ours, fp32) and its tokenizer, loaded once."""
+    from loader import load_model
     return load_model(None, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf():
+    """HF transformers' LlamaForCausalLM on the embedded SmolLM2's weights: the reference."""
+    from loader import embedded_gguf_path, hf_reference, read_gguf
+    hf = hf_reference(*read_gguf(embedded_gguf_path()))
+    hf.generation_config.eos_token_id = None  # compare full lengths, past any end of turn
+    return hf

@@ -4,7 +4,9 @@ import json
 import pytest
 
 import bench
-from bench import TraceError, percentile, read_trace, summarize, synthetic_workload, trace_workload, with_rate
+from metrics import harms, percentile, summarize, verdict
+from workload import (DEFAULT_TRACE, Scaling, TraceError, read_trace, synthetic_workload,
+                      trace_workload, with_rate)
 
 
 def test_percentile_matches_linear_interpolation():
@@ -42,8 +44,10 @@ def test_trace_parser_good(tmp_path):
     rows = read_trace(write(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n"
                                       "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n"))
     assert rows[0] == (0.0, 374, 44) and rows[1][0] == pytest.approx(4.314579, abs=1e-5)
-    items = trace_workload(rows, 2, length_scale=0.5)
+    items = trace_workload(rows, 2, scaling=Scaling(prompt=0.5, output=0.5))
     assert [(i.prompt_len, i.output_len) for i in items] == [(187, 22), (198, 54)]
+    capped = trace_workload(rows, 2, scaling=Scaling(0.1, 0.1, max_prompt=30, min_output=8))
+    assert [(i.prompt_len, i.output_len) for i in capped] == [(30, 8), (30, 11)]
     assert with_rate(items, 2.0)[1].arrival == pytest.approx(0.5)
 
 
@@ -61,7 +65,7 @@ def test_trace_parser_errors(tmp_path, text, match):
 
 
 def test_real_trace_and_synthetic_arrivals():
-    rows = read_trace(bench.DEFAULT_TRACE)
+    rows = read_trace(DEFAULT_TRACE)
     assert len(rows) == 19366
     items = synthetic_workload(2000, rate=4.0, burstiness=1.0, prompt_lens=[8], output_lens=[4], seed=1)
     rate = (len(items) - 1) / items[-1].arrival
@@ -74,12 +78,47 @@ def test_real_trace_and_synthetic_arrivals():
 
 
 def test_tiny_end_to_end_json(tmp_path):
-    out = tmp_path / "r.json"
+    out, log = tmp_path / "r.json", tmp_path / "s.jsonl"
     bench.main(["--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
-                "--rates", "8", "--policies", "fcfs,rotasched", "--device-blocks", "4", "--block-size", "8",
-                "--max-num-seqs", "2", "--max-batched-tokens", "32", "--json", str(out)])
+                "--rates", "8", "--policies", "fcfs,rotasched", "--num-device-blocks", "4",
+                "--block-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+                "--json", str(out), "--log", str(log)])
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["fcfs", "rotasched"]
     for r in rows:
         assert set(bench.JSON_KEYS) <= set(r) and r["num_requests"] == 4 and r["rate"] == 8.0
         assert 0 <= r["ttft_attainment"] <= 1 and r["throughput_tok_s"] > 0
+    logs = sorted(tmp_path.glob("s.*.jsonl"))
+    assert [p.name for p in logs] == ["s.fcfs.8.jsonl", "s.rotasched.8.jsonl"]
+    assert all(json.loads(line)["step"] >= 0 for line in logs[0].read_text().splitlines())
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rates", "0"], "must be > 0"), (["--rates", "-1"], "must be > 0"),
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--block-size", "0"], "block_size"), (["--policies", "fcfs,lifo"], "unknown policy 'lifo'"),
+    (["--trace", "/nope.csv"], "no such trace file"), (["--num-requests", "30000"], "exceeds the trace"),
+    (["--run-seconds", "0"], "--run-seconds must be > 0"), (["--model", "/nope"], "no such file"),
+])
+def test_bad_arguments_are_one_line_errors_before_loading(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+def row(policy, ttft, tbt, p99, tok, rot=0, pre=0):
+    return {"policy": policy, "rate": 1.0, "ttft_attainment": ttft, "tbt_attainment": tbt,
+            "tbt_p99_s": p99, "throughput_tok_s": tok, "rotations": rot, "recomputes": pre}
+
+
+def test_verdict_names_the_best_rotating_policy_and_flags_harm():
+    rows = [row("fcfs", 0.3, 0.9, 0.5, 30, pre=5), row("rotasched", 0.6, 0.88, 0.6, 31, rot=9),
+            row("rotasched:quantum=0.5", 0.8, 0.9, 1.2, 30, rot=4)]
+    lines = verdict(rows)
+    assert "best rotating policy rotasched:quantum=0.5" in lines[0] and "+50.0 points" in lines[0]
+    assert any("rotasched:quantum=0.5 does harm: TBT p99 1200 ms is 2.4x" in x for x in lines)
+    calm = verdict([row("fcfs", 1.0, 0.95, 0.2, 30), row("rotasched", 1.0, 0.95, 0.2, 30)])
+    assert any("no KV pressure" in x for x in calm)
+    assert harms(row("fcfs", 0.95, 0.9, 0.2, 30), row("rotasched", 0.85, 0.9, 0.2, 27)) == [
+        "TTFT attainment -10.0 points", "throughput -10.0%"]

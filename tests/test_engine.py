@@ -1,100 +1,111 @@
-"""The engine end to end on the embedded SmolLM2: rotation is invisible, HF agreement, API, errors."""
-import itertools
+"""The engine end to end on the embedded SmolLM2: rotation is invisible, HF agreement, the API,
+and nothing a user sends can wedge it."""
+import math
+import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from model import embedded_gguf_path, hf_reference, read_gguf
-from superinfer import LLM, Engine, SamplingParams, sample
+from config import ConfigError, EngineConfig
+from conftest import virtual_clock
+from deferred import DeferredStreams
+from superinfer import LLM, Engine, EngineError, SamplingParams, sample
+
+GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-def virtual_clock(dt=0.05):
-    ticks = itertools.count()
-    return lambda: next(ticks) * dt
-
-
-def make_engine(smollm, **kw):
+def make_engine(smollm, streams=None, **kw):
     model, tok = smollm
-    kw.setdefault("clock", virtual_clock())
-    return Engine(model, tok, **kw)
+    return Engine(EngineConfig(**kw), model, tok, clock=virtual_clock(), streams=streams)
 
 
-def run(engine, prompts, params):
+def run(engine, prompts, params, max_steps=10_000):
     rids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
         engine.step()
+    assert not engine.has_unfinished(), "did not finish"
     return [engine.output(r) for r in rids]
+
+
+def assert_no_leaks(engine):
+    engine.runner.synchronize()
+    engine.bm.copies_done()
+    assert engine.bm.num_free == engine.bm.device.capacity, "device blocks leaked"
+    assert engine.bm.host.num_free == engine.bm.host.capacity, "host blocks leaked"
 
 
 TOPICS = ["the moon", "a cat", "rain", "bread", "trains", "music", "chess", "the ocean",
           "winter", "coffee", "bees", "mountains", "a library", "rivers", "stars", "clocks"]
 
 
-def mixed_prompts(tok):
-    """16 chat prompts of quite different lengths."""
+def mixed_prompts(tok, n=16):
+    """Chat prompts of quite different lengths."""
     out = []
-    for i, topic in enumerate(TOPICS):
+    for i, topic in enumerate(TOPICS[:n]):
         msg = f"Tell me about {topic}." + " Please be detailed and careful." * (i % 5) * 3
-        out.append(tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
-                                           return_dict=False))
+        out.append(tok.apply_chat_template([{"role": "user", "content": msg}],
+                                           add_generation_prompt=True, return_dict=False))
     return out
 
 
-def test_rotation_is_invisible(smollm):
-    """Greedy fp32 tokens are identical for every policy, with a pool so small that requests are
-    rotated and preempted, and with an unconstrained one."""
-    _, tok = smollm
-    prompts = mixed_prompts(tok)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    ref = None
-    for policy, blocks in [("fcfs", 512), ("fcfs", 24), ("fcfs-swap", 24), ("rotasched", 24),
-                           ("rotasched-released", 24)]:
-        e = make_engine(smollm, policy=policy, block_size=8, num_device_blocks=blocks, num_host_blocks=256,
-                        max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=0.5, tbt_slo=0.1)
-        outs = run(e, prompts, params)
-        tokens = [o.token_ids for o in outs]
-        stats = e.stats()
-        if blocks == 24:
-            assert stats["rotations"] + stats["recomputes"] > 0, (policy, stats)
-            if policy != "fcfs":
-                assert stats["rotations"] > 0, (policy, stats)
-        assert all(len(t) == 24 for t in tokens)
-        if ref is None:
-            ref = tokens
-        else:
-            assert tokens == ref, policy
-        e.bm.copies_done()
-        assert e.bm.device.num_free == blocks and e.bm.host.num_free == 256
+@pytest.fixture(scope="module")
+def reference_tokens(smollm):
+    """Greedy tokens of the mixed prompts with an ample pool and no pressure: the baseline."""
+    e = make_engine(smollm, policy="fcfs", block_size=8, num_device_blocks=512,
+                    num_host_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    return [o.token_ids for o in run(e, mixed_prompts(smollm[1]), SamplingParams(max_tokens=24, **GREEDY))]
 
 
-def test_engine_matches_hf_generate(smollm):
-    _, tok = smollm
-    cfg, tensors = read_gguf(embedded_gguf_path())
-    hf = hf_reference(cfg, tensors)
-    hf.generation_config.eos_token_id = None
-    prompts = mixed_prompts(tok)[:3]
-    outs = run(make_engine(smollm, policy="rotasched"), prompts, SamplingParams(max_tokens=20, temperature=0,
-                                                                                ignore_eos=True))
+@pytest.mark.parametrize("policy,deferred,overlap", [
+    ("fcfs", False, None), ("fcfs-swap", False, None), ("rotasched", False, None),
+    ("rotasched-released", False, None), ("rotasched:quantum=0.2,alpha_on=waiting", False, None),
+    ("rotasched", True, False), ("rotasched", True, True), ("fcfs-swap", True, None)])
+def test_rotation_is_invisible(smollm, reference_tokens, policy, deferred, overlap):
+    """Greedy fp32 tokens are the same for every policy with a pool so small that requests are
+    rotated or preempted; with deferred streams, copies land as late as their waits allow, and
+    swapped-in requests run in the step they come back or (overlap) the next."""
+    streams = DeferredStreams(random.Random(1)) if deferred else None
+    e = make_engine(smollm, streams, policy=policy, block_size=8, num_device_blocks=24,
+                    num_host_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                    ttft_slo=0.5, tbt_slo=0.1, swap_watermark=8, swap_in_overlap=overlap)
+    outs = run(e, mixed_prompts(smollm[1]), SamplingParams(max_tokens=24, **GREEDY))
+    stats = e.stats()
+    assert stats["rotations"] + stats["recomputes"] > 0, stats
+    if policy != "fcfs":
+        assert stats["rotations"] > 0, stats
+    assert [o.token_ids for o in outs] == reference_tokens
+    assert_no_leaks(e)
+
+
+def test_engine_matches_hf_generate(smollm, smollm_hf):
+    prompts = mixed_prompts(smollm[1])[:3]
+    outs = run(make_engine(smollm), prompts, SamplingParams(max_tokens=20, **GREEDY))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(p):]
+            ref = smollm_hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                                     pad_token_id=0)[0, len(p):]
         assert o.token_ids == ref.tolist()
 
 
 def test_seed_reproduces_and_top_k_1_is_greedy(smollm):
-    _, tok = smollm
-    prompts = mixed_prompts(tok)[:3]
+    prompts = mixed_prompts(smollm[1])[:3]
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     a = [o.token_ids for o in run(make_engine(smollm), prompts, seeded)]
-    b = [o.token_ids for o in run(make_engine(smollm, max_num_seqs=1, max_num_batched_tokens=16), prompts, seeded)]
+    b = [o.token_ids for o in run(make_engine(smollm, max_num_seqs=1, max_num_batched_tokens=16),
+                                  prompts, seeded)]
     assert a == b  # same seed, different batching: same tokens
     greedy = [o.token_ids for o in run(make_engine(smollm), prompts,
-                                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+                                       SamplingParams(max_tokens=12, **GREEDY))]
     topk1 = [o.token_ids for o in run(make_engine(smollm), prompts,
-                                      SamplingParams(max_tokens=12, temperature=1.3, top_k=1, ignore_eos=True))]
+                                      SamplingParams(max_tokens=12, temperature=1.3, top_k=1,
+                                                     ignore_eos=True))]
     assert topk1 == greedy
     other = [o.token_ids for o in run(make_engine(smollm), prompts,
-                                      SamplingParams(max_tokens=12, temperature=0.9, seed=8, ignore_eos=True))]
+                                      SamplingParams(max_tokens=12, temperature=0.9, seed=8,
+                                                     ignore_eos=True))]
     assert other != a
 
 
@@ -105,23 +116,31 @@ def test_sample_top_p_keeps_the_nucleus():
     assert seen == {0, 1}
 
 
+def test_sample_tiny_temperature_is_greedy_and_nan_rows_fail_alone():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 0.0, 0.0]])
+    params = [SamplingParams(temperature=1e-38), SamplingParams(temperature=0.7)]
+    gens = [torch.Generator().manual_seed(0) for _ in params]
+    assert sample(logits, params, gens) == [1, None]
+
+
 def test_abort_mid_decode_frees_both_tiers(smollm):
-    _, tok = smollm
-    e = make_engine(smollm, policy="rotasched", block_size=8, num_device_blocks=24, num_host_blocks=64,
-                    max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=0.5)
-    rids = [e.add_request(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-            for p in mixed_prompts(tok)[:6]]
-    while e.stats()["rotations"] == 0:
+    e = make_engine(smollm, policy="rotasched", block_size=8, num_device_blocks=24,
+                    num_host_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=0.5)
+    rids = [e.add_request(p, SamplingParams(max_tokens=40, **GREEDY))
+            for p in mixed_prompts(smollm[1])[:6]]
+    for _ in range(500):
+        if e.stats()["rotations"]:
+            break
         e.step()
+    assert e.stats()["rotations"] > 0
     for r in rids:
         e.abort(r)
     assert not e.has_unfinished()
     assert all(e.output(r).finish_reason == "abort" for r in rids)
-    e.bm.copies_done()
-    assert e.bm.device.num_free == 24 and e.bm.host.num_free == 64
+    assert_no_leaks(e)
 
 
-def test_streaming_events_and_eos(smollm):
+def test_streaming_events_text_and_eos(smollm):
     _, tok = smollm
     e = make_engine(smollm)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -132,40 +151,124 @@ def test_streaming_events_and_eos(smollm):
         events += e.step()
     out = e.output(rid)
     assert [ev.token_id for ev in events] == out.token_ids
+    assert "".join(ev.text for ev in events) == out.text
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert events[-1].finished and out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
     assert len(out.metrics.token_times) == len(out.token_ids) and "Paris" in out.text
 
 
-@pytest.mark.parametrize("kw,match", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
-                                      ({"top_p": 0}, "top_p"), ({"top_k": -3}, "top_k")])
+def test_stop_strings_end_the_text_before_them(smollm):
+    _, tok = smollm
+    e = make_engine(smollm)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, return_dict=False)
+    out = run(e, [prompt], SamplingParams(max_tokens=64, temperature=0, stop=["Paris"]))[0]
+    assert out.finish_reason == "stop" and "Paris" not in out.text and out.text
+
+
+@pytest.mark.parametrize("kw,match", [({"max_tokens": 0}, "max_tokens"),
+                                      ({"temperature": -1}, "temperature"),
+                                      ({"temperature": math.inf}, "temperature"),
+                                      ({"top_p": 0}, "top_p"), ({"top_p": math.nan}, "top_p"),
+                                      ({"top_k": -3}, "top_k"), ({"seed": 2**64}, "seed"),
+                                      ({"seed": -2**70}, "seed"), ({"seed": True}, "seed"),
+                                      ({"stop_token_ids": None}, "stop_token_ids"),
+                                      ({"stop": [""]}, "stop"), ({"max_tokens": 2.5}, "max_tokens")])
 def test_invalid_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
 
 
+# ---------------------------------------------------------------- nothing wedges the engine
+
+class Boom(Exception):
+    pass
+
+
+def failing_forward(model, fail_on_call, exc):
+    """Make the model's forward raise `exc` on its fail_on_call-th call."""
+    real, calls = model.forward, [0]
+
+    def forward(*args):
+        calls[0] += 1
+        if calls[0] == fail_on_call:
+            raise exc
+        return real(*args)
+    return forward
+
+
+@pytest.mark.parametrize("exc", [Boom("injected"), KeyboardInterrupt()])
+def test_a_failed_step_aborts_its_requests_and_the_engine_serves_on(smollm, exc, monkeypatch):
+    model, tok = smollm
+    prompts = mixed_prompts(tok)[:4]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    clean = [o.token_ids for o in run(make_engine(smollm), prompts, params)]
+    e = make_engine(smollm, max_num_seqs=2)
+    rids = [e.add_request(p, params) for p in prompts]
+    monkeypatch.setattr(model, "forward", failing_forward(model, 3, exc))
+    with pytest.raises(type(exc) if isinstance(exc, KeyboardInterrupt) else EngineError):
+        for _ in range(100):
+            e.step()
+    monkeypatch.undo()
+    while e.has_unfinished():
+        e.step()
+    outs = [e.output(r) for r in rids]
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert len(failed) == 2 and all(o.error for o in failed)   # the step's two requests
+    for o, want in zip(outs, clean):
+        if o.finish_reason != "error":
+            assert o.token_ids == want                         # the rest are untouched
+    assert [o.token_ids for o in run(e, prompts[:1], params)] == clean[:1]
+    assert_no_leaks(e)
+
+
+def test_rejected_requests_leave_nothing_queued(smollm):
+    e = make_engine(smollm)
+    bad = [("hi", SamplingParams(max_tokens=4, temperature=0)), ("", SamplingParams()),
+           (b"bytes", SamplingParams()), (None, SamplingParams()), ([1, -1], SamplingParams()),
+           ("\ud800", SamplingParams()), ([1] * 10, SamplingParams(max_tokens=10**6))]
+    ok = e.add_request(*bad[0])
+    for prompt, params in bad[1:]:
+        with pytest.raises(ValueError):
+            e.add_request(prompt, params)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    params.seed = 2**64                          # mutated after construction: checked again
+    with pytest.raises(ValueError, match="seed"):
+        e.add_request("hi", params)
+    with pytest.raises(ValueError, match="priority"):
+        e.add_request("hi", priority=True)
+    assert list(e.seqs) == [ok] and len(e.sched.waiting) == 1
+    while e.has_unfinished():
+        e.step()
+    assert len(e.output(ok).token_ids) == 4
+
+
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(block_size=16, num_device_blocks=64, num_host_blocks=128, dtype="float32", device="cpu")
+def llm(smollm):
+    return LLM.from_engine(make_engine(smollm, num_device_blocks=64, num_host_blocks=128))
 
 
-def test_llm_generate_bad_requests_alone(llm):
-    prompts = ["Hello", "", list(range(5000)), [1, 2, 3], [10**9]]
+def test_llm_generate_bad_prompts_alone(llm):
+    prompts = ["Hello", "", list(range(5000)), [1, 2, 3], [10**9], None, 5, "\ud800", b"abc"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
-    assert [o.error is None for o in outs] == [True, False, False, True, False]
+    assert [o.error is None for o in outs] == [True, False, False, True] + [False] * 5
     assert "empty prompt" in str(outs[1].error)
     assert "more than the whole device pool" in str(outs[2].error)
-    assert "token ids" in str(outs[4].error)
+    assert "token ids" in str(outs[4].error) and "bytes" in str(outs[8].error)
     assert len(outs[0].token_ids) == 4 and outs[0].text and len(outs[3].token_ids) == 4
     assert outs[0].metrics.first_token_time >= outs[0].metrics.arrival_time
+    assert not llm.engine.has_unfinished() and not llm.engine.seqs
 
 
 def test_llm_generate_api_shape(llm):
     outs = llm.generate(["What is 2+2?", "Name a color."],
-                        [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-                         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+                        [SamplingParams(max_tokens=3, **GREEDY), SamplingParams(max_tokens=5, **GREEDY)])
     assert [len(o.token_ids) for o in outs] == [3, 5]
-    assert outs[0].prompt == "What is 2+2?" and outs[0].prompt_token_ids == llm.tokenizer("What is 2+2?").input_ids
+    assert outs[0].prompt == "What is 2+2?"
+    assert outs[0].prompt_token_ids == llm.tokenizer("What is 2+2?").input_ids
     assert outs[0].finish_reason == "length" and outs[0].request_id != outs[1].request_id
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(None)
 
 
 def test_context_length_error(llm):
@@ -173,9 +276,46 @@ def test_context_length_error(llm):
     assert "context" in str(out.error)
 
 
-def test_unknown_policy(smollm):
-    with pytest.raises(ValueError, match="unknown policy"):
-        make_engine(smollm, policy="nope")
+POISON = st.one_of(
+    st.sampled_from(["", None, 7, b"x", "\ud800", [-1], [10**9], [True], [1] * 5000]).map(
+        lambda p: (p, None)),
+    st.tuples(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed",
+                               "stop_token_ids", "stop", "ignore_eos"]),
+              st.sampled_from([None, -1, math.nan, math.inf, 2**64, True, "x", [None], 0])).map(
+        lambda kv: ("Hello", kv)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(poison=st.lists(POISON, min_size=1, max_size=4), where=st.randoms(use_true_random=False))
+def test_poison_never_touches_good_requests(llm, poison, where):
+    """Invalid prompts and SamplingParams thrown into a batch of valid ones: the valid ones
+    finish with the tokens of a clean run, the others carry errors, nothing leaks."""
+    good = ["Hello", "Name a color.", [5, 6, 7, 8]]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    clean = [o.token_ids for o in llm.generate(good, params)]
+    batch = [(p, params) for p in good]
+    for prompt, field_value in poison:
+        p = SamplingParams(max_tokens=5, **GREEDY)
+        if field_value is not None:
+            setattr(p, *field_value)
+        batch.insert(where.randint(0, len(batch)), (prompt, p))
+    outs = llm.generate([b[0] for b in batch], [b[1] for b in batch])
+    got = [o.token_ids for (prompt, p), o in zip(batch, outs) if o.error is None]
+    valid = [o for (prompt, p), o in zip(batch, outs) if p is params]
+    assert [o.token_ids for o in valid] == clean and all(o.error is None for o in valid)
+    assert len(got) >= len(clean)
+    assert not llm.engine.has_unfinished()
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("kw,match", [({"dtype": "int32"}, "dtype"), ({"dtype": 123}, "dtype"),
+                                      ({"dtype": torch.int32}, "dtype"), ({"policy": "lifo"}, "lifo"),
+                                      ({"max_num_seqs": True}, "max_num_seqs"),
+                                      ({"ttft_slo": math.nan}, "ttft_slo"),
+                                      ({"block_size": 0}, "block_size"), ({"nope": 1}, "nope")])
+def test_bad_engine_settings_are_named_before_loading(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(**kw)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -185,12 +325,13 @@ def test_cuda_rotation_is_invisible():
     model, _ = tiny_pair(seed=5, vocab=301, hidden=64, heads=4, kv_heads=2)
     model = model.to("cuda")
     prompts = [[(7 * i + j) % 301 for j in range(5 + 3 * i)] for i in range(12)]
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, **GREEDY)
     outs = {}
     for policy, blocks in [("fcfs", 256), ("rotasched", 24), ("fcfs-swap", 24)]:
-        e = Engine(model, None, policy=policy, block_size=4, num_device_blocks=blocks, num_host_blocks=256,
-                   max_num_seqs=6, max_num_batched_tokens=32, clock=virtual_clock(), ttft_slo=0.3, tbt_slo=0.02)
-        assert e.pools.host.is_pinned()
+        e = Engine(EngineConfig(policy=policy, block_size=4, num_device_blocks=blocks,
+                                num_host_blocks=256, max_num_seqs=6, max_num_batched_tokens=32,
+                                ttft_slo=0.3, tbt_slo=0.02), model, None, clock=virtual_clock())
+        assert e.runner.pools.host.is_pinned()
         outs[policy] = [o.token_ids for o in run(e, prompts, params)]
         if blocks == 24:
             assert e.stats()["rotations"] > 0

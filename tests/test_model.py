@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import tiny_pair
-from model import (ModelConfig, ModelLoadError, load_model, make_batch, read_gguf,
-                   embedded_gguf_path, hf_reference)
+from conftest import hf_config_dict, tiny_pair
+from loader import config_from_hf, load_model
+from model import ModelLoadError, Seq, make_batch
 
 TOL = 2e-4  # fp32 logits; observed differences are ~5e-6
 
@@ -17,7 +17,7 @@ def run_chunks(model, pool, ids, chunks, table, block_size):
     """Feed ids in the given chunk lengths through the paged cache; return logits of every position."""
     rows, start = [], 0
     for n in chunks:
-        b = make_batch([(ids[start:start + n], start, table, True)], block_size)
+        b = make_batch([Seq(ids[start:start + n], start, table, True)], block_size)
         b.logits_indices = torch.arange(n)
         rows.append(model(b, pool))
         start += n
@@ -85,7 +85,8 @@ def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, see
     got = [[] for _ in seqs]
     while any(d < len(s) for d, s in zip(done, seqs)):  # a mixed flat batch each step
         step = [(i, rng.randint(1, len(s) - done[i])) for i, s in enumerate(seqs) if done[i] < len(s)]
-        b = make_batch([(seqs[i][done[i]:done[i] + n], done[i], tables[i], True) for i, n in step], block_size)
+        b = make_batch([Seq(seqs[i][done[i]:done[i] + n], done[i], tables[i], True)
+                        for i, n in step], block_size)
         logits = ours(b, pool)
         for row, (i, n) in enumerate(step):
             if n == 1:
@@ -105,21 +106,18 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain what a KV cache is in one sentence.", "List three prime numbers."]
 
 
-def test_embedded_smollm_greedy_matches_hf(smollm):
+def test_embedded_smollm_greedy_matches_hf(smollm, smollm_hf):
     model, tok = smollm
-    cfg, tensors = read_gguf(embedded_gguf_path())
-    hf = hf_reference(cfg, tensors)
-    hf.generation_config.eos_token_id = None  # compare 32 full tokens, past any end-of-turn
     for prompt in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_dict=False)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                              pad_token_id=0)[0, len(ids):].tolist()
+            ref = smollm_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                     pad_token_id=0)[0, len(ids):].tolist()
         pool = torch.zeros(8, *model.kv_block_shape(16))
         table, start, toks, gen = [5, 2, 7, 0, 1, 3, 4, 6], 0, ids, []
         for _ in range(32):
-            logits = model(make_batch([(toks, start, table, True)], 16), pool)
+            logits = model(make_batch([Seq(toks, start, table, True)], 16), pool)
             start += len(toks)
             toks = [int(logits[0].argmax())]
             gen.append(toks[0])
@@ -134,7 +132,7 @@ def test_embedded_model_knows_paris(smollm):
     pool = torch.zeros(4, *model.kv_block_shape(16))
     start, toks, gen = 0, ids, []
     for _ in range(8):
-        logits = model(make_batch([(toks, start, [0, 1, 2, 3], True)], 16), pool)
+        logits = model(make_batch([Seq(toks, start, [0, 1, 2, 3], True)], 16), pool)
         start += len(toks)
         toks = [int(logits[0].argmax())]
         gen.append(toks[0])
@@ -152,7 +150,6 @@ def write_checkpoint(path, cfg, tensors=None):
 
 
 def test_hf_dir_roundtrip(tmp_path):
-    from conftest import hf_config_dict
     ours, hf = tiny_pair(seed=3)
     write_checkpoint(tmp_path / "ck", hf_config_dict(), {k: v.contiguous() for k, v in hf.state_dict().items()})
     loaded, tok = load_model(str(tmp_path / "ck"), "cpu", "float32")
@@ -167,14 +164,12 @@ def test_missing_config(tmp_path):
 
 
 def test_missing_weights(tmp_path):
-    from conftest import hf_config_dict
     write_checkpoint(tmp_path / "ck", hf_config_dict())
     with pytest.raises(ModelLoadError, match="safetensors"):
         load_model(str(tmp_path / "ck"), "cpu")
 
 
 def test_missing_tensor_named(tmp_path):
-    from conftest import hf_config_dict
     _, hf = tiny_pair()
     sd = {k: v.contiguous() for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
     write_checkpoint(tmp_path / "ck", hf_config_dict(), sd)
@@ -183,7 +178,6 @@ def test_missing_tensor_named(tmp_path):
 
 
 def test_shape_mismatch_named(tmp_path):
-    from conftest import hf_config_dict
     _, hf = tiny_pair()
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     sd["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(32, 31)
@@ -200,19 +194,17 @@ def test_shape_mismatch_named(tmp_path):
     ("num_key_value_heads", 3, "multiple of num_key_value_heads"),
 ])
 def test_unsupported_config_fields(field, value, match):
-    from conftest import hf_config_dict
     cfg = hf_config_dict()
     cfg[field] = value
     with pytest.raises(ModelLoadError, match=match):
-        ModelConfig.from_hf(cfg)
+        config_from_hf(cfg)
 
 
 def test_missing_config_field():
-    from conftest import hf_config_dict
     cfg = hf_config_dict()
     del cfg["hidden_size"]
     with pytest.raises(ModelLoadError, match="hidden_size"):
-        ModelConfig.from_hf(cfg)
+        config_from_hf(cfg)
 
 
 def test_bad_gguf(tmp_path):
