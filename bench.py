@@ -31,6 +31,7 @@ from loader import load_model, resolve_device
 from metrics import plot, print_table, progress, summarize, verdict
 from model import ModelLoadError
 from scheduler import Request
+from schedlog import log_name
 from superinfer import Engine, SamplingParams
 from workload import (DEFAULT_TRACE, Item, Scaling, TraceError, describe_scaling, read_trace,
                       synthetic_prompts, synthetic_workload, trace_workload, with_rate)
@@ -166,7 +167,7 @@ def runner(pol: str, args, cfg, model, tok, hf, runs: int):
         return lambda *a: serve_hf(hf, cfg, *a)
 
     def run(items, prompts, label, deadline, rate=None):
-        log = log_path(args.log_path, pol, rate, runs) if rate is not None else None
+        log = log_name(args.log_path, pol, rate, runs) if rate is not None else None
         engine = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
         try:
             return serve(engine, items, prompts, label, deadline)
@@ -247,14 +248,6 @@ def row(pol, rate, recs, stats, ttft_slo, tbt_slo, args) -> dict:
           f"{r['tbt_attainment']:6.1%}  {r['throughput_tok_s']:6.1f} tok/s  rotations "
           f"{r['rotations']}  step {r['mean_step_ms']:.0f} ms{cut}", flush=True)
     return r
-
-
-def log_path(base: str | None, policy: str, rate: float, runs: int) -> str | None:
-    """--log PATH: the schedule log of the run, or PATH.<policy>.<rate>.jsonl for several runs."""
-    if base is None or runs == 1:
-        return base
-    safe = policy.replace(":", "_").replace(",", "_").replace("=", "")
-    return f"{base.removesuffix('.jsonl')}.{safe}.{rate:g}.jsonl"
 
 
 def validate_row(real: dict, items: list[Item], cfg, policy: str) -> dict:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import sys
 
+import server
 from config import Parser, add_engine_flags, engine_config
 from loader import resolve_device
 from model import ModelLoadError
+from superinfer import LLM, SamplingParams
 
 
 def generate_parser() -> Parser:
@@ -30,7 +32,6 @@ def generate_parser() -> Parser:
 
 
 def generate(argv: list[str]) -> None:
-    from superinfer import LLM, SamplingParams
     ap = generate_parser()
     args = ap.parse_args(argv)
     cfg = engine_config(ap, args)
@@ -55,7 +56,6 @@ def generate(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
-        import server
         server.main(argv[1:])
     else:
         generate(argv)

@@ -92,6 +92,7 @@ class BlockManager:
         self.busy: dict[int, int] = {}   # device block -> epoch of the last copy reading it
         self.fenced: set[int] = set()    # freed device blocks whose outgoing copy may be in flight
         self.host_fenced: list[int] = []  # v0: host blocks of this epoch's swap-ins, still read
+        self.landed = -1                  # the latest epoch whose copies are known to be done
 
     # ------------------------------------------------------------ queries
     @property
@@ -240,6 +241,7 @@ class BlockManager:
 
     def copies_done(self, epoch: int | None = None) -> None:
         """Every copy planned in epochs <= epoch (all, if None) has completed."""
+        self.landed = max(self.landed, self.epoch - 1 if epoch is None else epoch)
         if epoch is None:
             self.host.free.extend(self.host_fenced)
             self.host_fenced = []

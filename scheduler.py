@@ -92,6 +92,7 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)   # by recompute
     proactive: list[str] = field(default_factory=list)   # rotated out before any shortfall
     rotated_for: dict[str, str] = field(default_factory=dict)  # victim -> candidate it made room for
+    landed: int = -1                                # copies of epochs <= this had landed
 
     @property
     def num_tokens(self) -> int:
@@ -101,10 +102,10 @@ class StepPlan:
     def blocks_moved(self) -> int:
         return len(self.swap_out) + len(self.swap_in)
 
-    def log_record(self, step: int) -> dict:
-        return {"step": step, "now": round(self.now, 9),
-                "tokens": {r.rid: n for r, n in self.chunks.items()},
-                "admitted": self.admitted, "resumed": self.resumed, "rotated_in": self.rotated_in,
+    def decisions(self) -> dict:
+        """What this step decided, as the schedule log records it (schedlog.py compares these)."""
+        return {"tokens": {r.rid: n for r, n in self.chunks.items()}, "admitted": self.admitted,
+                "resumed": self.resumed, "rotated_in": self.rotated_in,
                 "rotated_out": self.rotated_out, "preempted": self.preempted,
                 "swap_out": len(self.swap_out), "swap_in": len(self.swap_in)}
 
@@ -349,6 +350,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.log = open(cfg.log_path, "w") if cfg.log_path else None
+        settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
+        self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
+                  host_blocks=bm.host.capacity)
         self._seq = itertools.count()
         self._budget = 0                     # tokens left in this step
         self._xfer = 0                       # blocks the transfer budget still allows this step
@@ -375,10 +379,14 @@ class Scheduler:
         r.status, r.t_queued, r.seq = Status.WAITING, r.arrival, next(self._seq)
         self.requests[r.rid] = r
         self.waiting.append(r)
+        self._log(event="add", rid=r.rid, arrival=r.arrival, num_prompt=r.num_prompt,
+                  max_tokens=r.max_tokens, priority=r.priority, ttft_slo=r.ttft_slo,
+                  tbt_slo=r.tbt_slo)
 
     def finish(self, rid: str, reason: str) -> None:
         """End a request that the executor found complete (a stop string)."""
         self._finish(self.requests[rid], Status.FINISHED, reason)
+        self._log(event="finish", rid=rid, reason=reason)
 
     def abort(self, rid: str, reason: str = "abort") -> Request:
         r = self.requests.get(rid)
@@ -386,6 +394,7 @@ class Scheduler:
             raise KeyError(f"unknown request {rid!r}")
         if r.status not in (Status.FINISHED, Status.ABORTED):
             self._finish(r, Status.ABORTED, reason)
+            self._log(event="abort", rid=rid, reason=reason)
         return r
 
     def has_unfinished(self) -> bool:
@@ -401,7 +410,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepPlan:
-        plan = StepPlan(self.bm.epoch, now)
+        plan = StepPlan(self.bm.epoch, now, landed=self.bm.landed)
         self._budget, self._xfer = self.cfg.max_num_batched_tokens, self.cfg.xfer_budget
         self.policy.before_run(self, plan, now)
         self._run(plan, now)
@@ -410,8 +419,6 @@ class Scheduler:
         self._write_back(plan)
         self.bm.next_epoch()
         self._check(plan)
-        if self.log:
-            self.log.write(json.dumps(plan.log_record(self.num_steps)) + "\n")
         self.num_steps += 1
         return plan
 
@@ -626,6 +633,7 @@ class Scheduler:
         """Apply a step's results: KV computed, one token sampled for each request that finished
         its chunk at the end of its tokens. Returns the requests that finished."""
         finished = []
+        stopped = []
         for r, n in plan.chunks.items():
             if r.status is not Status.RUNNING:
                 continue  # aborted while the step ran
@@ -639,12 +647,19 @@ class Scheduler:
             r.tokens_since_admit += 1
             if tok in r.stop_ids:
                 self._finish(r, Status.FINISHED, "stop")
+                stopped.append(r.rid)
             elif len(r.output) >= r.max_tokens:
                 self._finish(r, Status.FINISHED, "length")
             else:
                 continue
             finished.append(r)
+        self._log(event="step", step=self.num_steps - 1, now=plan.now, done=now,
+                  landed=plan.landed, **plan.decisions(), stopped=stopped)
         return finished
+
+    def _log(self, **record) -> None:
+        if self.log:
+            self.log.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self.log:

@@ -22,6 +22,7 @@ from typing import Callable
 
 from config import ConfigError, EngineConfig
 from metrics import plot, print_table, summarize, verdict
+from schedlog import log_name
 from scheduler import Request, Scheduler, StepPlan
 from workload import DEFAULT_TRACE, TraceError, poisson_arrivals, read_trace
 
@@ -52,6 +53,7 @@ def simulate(sched: Scheduler, requests: list[Request], step_time: Callable[[Ste
             continue
         plan = sched.schedule(now)
         if not plan.chunks and not plan.blocks_moved and not sched.bm.num_fenced:
+            sched.update(plan, {}, now)
             if i == len(pending):
                 raise Stuck(f"step {steps}: nothing scheduled, {len(sched.waiting)} waiting, "
                             f"{len(sched.rotary)} rotary, {len(sched.running)} running")
@@ -292,9 +294,10 @@ def split_policies(text: str) -> list[str]:
 
 
 def run_policy(policy: str, requests: list[Request], cost: CostModel, cfg: EngineConfig,
-               keep: bool = False) -> dict:
-    """Simulate one policy on fresh copies of `requests` (or, with keep, on those objects)."""
-    cfg = replace(cfg, policy=policy)
+               keep: bool = False, log: str | None = None) -> dict:
+    """Simulate one policy on fresh copies of `requests` (or, with keep, on those objects);
+    with `log`, write the schedule log there."""
+    cfg = replace(cfg, policy=policy, log_path=log)
     s = Scheduler.create(cfg, cost.device_blocks, cost.host_blocks)
     fresh = requests if keep else [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival)
                                    for r in requests]
@@ -307,6 +310,7 @@ def run_policy(policy: str, requests: list[Request], cost: CostModel, cfg: Engin
         busy += dt
         return dt
     done, rejected = simulate(s, fresh, step_time)
+    s.close()
     row = summarize([(r.arrival, r.token_times) for r in fresh if r.token_times],
                     cfg.ttft_slo, cfg.tbt_slo)
     return row | {"policy": policy, "rotations": sum(r.rotations for r in fresh),
@@ -399,6 +403,7 @@ def parse_args(argv):
                          "previous forward; off: in the same step, its copy exposed (default: on "
                          "for GPU profiles, off for cpu)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log", default=None, help="write the schedule log (schedlog.py) here")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--paper-table", action="store_true",
@@ -471,8 +476,9 @@ def sweep(args, cfg: EngineConfig, cost: CostModel, lengths) -> list[dict]:
             print(f"rate {rate}: no request arrives within {args.duration:.0f} s; skipped")
             continue
         for pol in args.policies:
-            row = run_policy(pol, reqs, cost, cfg) | {"rate": rate, "hw": cost.hw.name,
-                                                      "model": cost.m.name}
+            log = log_name(args.log, pol, rate, len(rates) * len(args.policies))
+            row = run_policy(pol, reqs, cost, cfg, log=log) | {"rate": rate, "hw": cost.hw.name,
+                                                                "model": cost.m.name}
             rows.append(row)
             print(f"  {pol:<28} rate {rate:6.2f}: TTFT att {row['ttft_attainment']:6.1%}  TBT att "
                   f"{row['tbt_attainment']:6.1%}  {row['throughput_tok_s']:8.0f} tok/s  step "

@@ -173,6 +173,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
+        self.rotations = self.recomputes = 0   # since start (requests are released on the way)
         self.rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None
                                                  else secrets.randbits(63))
         self.ids = itertools.count()
@@ -252,6 +253,8 @@ class Engine:
             sampled = self._sample(plan, logits)
         except BaseException as e:
             self._fail(plan, e)
+        self.rotations += len(plan.rotated_out)
+        self.recomputes += len(plan.preempted)
         finished = {r.rid for r in self.sched.update(plan, sampled, self.clock())}
         return [self._emit(rid, tok, rid in finished) for rid, tok in sampled.items()]
 
@@ -326,10 +329,9 @@ class Engine:
         self.sched.requests.pop(rid, None)
 
     def stats(self) -> dict:
-        reqs = [s.req for s in self.seqs.values()]
         copier = self.runner.copier
-        return {"steps": self.sched.num_steps, "rotations": sum(r.rotations for r in reqs),
-                "recomputes": sum(r.recomputes for r in reqs),
+        return {"steps": self.sched.num_steps, "rotations": self.rotations,
+                "recomputes": self.recomputes,
                 "blocks_moved": copier.blocks_moved,
                 "bytes_moved": copier.blocks_moved * self.block_bytes, "copies": copier.copies,
                 "running": len(self.sched.running), "waiting": len(self.sched.waiting),

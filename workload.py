@@ -8,11 +8,15 @@ import csv
 import os
 import random
 import statistics
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_TRACE = os.path.join(HERE, "data", "azure_llm_2023_conv.csv")
+TRACE_FILE = "azure_llm_2023_conv.csv"
+DEFAULT_TRACE = next((p for p in (  # the repository's copy, or where `pip install .` put it
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", TRACE_FILE),
+    os.path.join(sys.prefix, "share", "superinfer", "data", TRACE_FILE)) if os.path.exists(p)),
+    TRACE_FILE)
 
 
 @dataclass(slots=True)

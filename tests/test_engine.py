@@ -336,3 +336,25 @@ def test_cuda_rotation_is_invisible():
         if blocks == 24:
             assert e.stats()["rotations"] > 0
     assert outs["rotasched"] == outs["fcfs"] and outs["fcfs-swap"] == outs["fcfs"]
+
+
+def test_an_engine_runs_schedule_log_replays_exactly(smollm, tmp_path):
+    """The engine's log (real model, rotations, an abort, EOS and stop-string finishes) is
+    re-decided step for step by the scheduler alone on the logged clock."""
+    import schedlog
+    path = tmp_path / "engine.jsonl"
+    e = make_engine(smollm, policy="rotasched", block_size=8, num_device_blocks=24,
+                    num_host_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=0.5,
+                    tbt_slo=0.1, log_path=str(path))
+    prompts = mixed_prompts(smollm[1])[:8]
+    rids = [e.add_request(p, SamplingParams(max_tokens=20, temperature=0, stop=["."] if i % 3 else []))
+            for i, p in enumerate(prompts)]
+    for _ in range(6):
+        e.step()
+    e.abort(rids[1])
+    while e.has_unfinished():
+        e.step()
+    e.close()
+    assert e.stats()["rotations"] > 0
+    steps, why = schedlog.replay(str(path))
+    assert why is None and steps == e.sched.num_steps

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from config import EngineConfig
+import schedlog
 from metrics import harms
 from scheduler import POLICIES, Request, RotaSched, Scheduler, Status, make_policy
 from sim import MODELS, CostModel, Hardware, run_policy, simulate
@@ -307,6 +308,28 @@ def test_released_fifo_by_time_in_queue_and_host_hold():
 
 # ---------------------------------------------------------------- API, log, errors
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fcfs-swap", "rotasched",
+                                    "rotasched:quantum=0.1,alpha_on=waiting", "rotasched-released"])
+def test_schedule_log_replays_exactly_and_diff_finds_the_first_difference(tmp_path, policy):
+    path = tmp_path / "run.jsonl"
+    s = make_sched(policy, dev=128, host=2048, bs=4, max_num_seqs=16, max_num_batched_tokens=64,
+                   ttft_slo=3.0, tbt_slo=0.05, swap_watermark=16, log_path=str(path))
+    simulate(s, hol_workload(), lambda plan: 0.02)
+    s.close()
+    steps, why = schedlog.replay(str(path))
+    assert why is None and steps == s.num_steps
+    lines = path.read_text().splitlines()
+    i = next(k for k, line in enumerate(lines) if '"step": 40,' in line)
+    rec = json.loads(lines[i])
+    rec["tokens"]["long0"] = 99                       # tamper with one decision
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
+    steps, why = schedlog.replay(str(tampered))
+    assert steps == 40 and "step 40" in why and "request long0" in why
+    step, why = schedlog.diff(str(path), str(tampered))
+    assert step == 40 and "request long0 computes" in why and "vs 99 tokens" in why
+
+
 def test_schedule_log_is_deterministic(tmp_path):
     logs = []
     for k in range(2):
@@ -318,7 +341,8 @@ def test_schedule_log_is_deterministic(tmp_path):
         logs.append(path.read_text())
     assert logs[0] == logs[1]
     records = [json.loads(line) for line in logs[0].splitlines()]
-    assert any(r["rotated_out"] for r in records) and all("tokens" in r for r in records)
+    steps = [r for r in records if r["event"] == "step"]
+    assert any(r["rotated_out"] for r in steps) and all("tokens" in r for r in steps)
 
 
 def test_oversized_request_rejected_others_continue():

@@ -1,0 +1,386 @@
+"""Side-by-side SLO benchmark: the same arrivals through each policy, served online on a wall clock.
+
+    python bench.py                     embedded model, an Azure trace slice, fcfs vs rotasched
+    python bench.py --policies fcfs,fcfs-swap,rotasched,rotasched-released,hf --json r.json --plot r.png
+    python bench.py --backend openai --base-url http://127.0.0.1:8000 --policies openai,rotasched
+                                        a server (ours, vLLM, ...) and the in-process engine, one table
+    python bench.py --speed             tokens/s next to HF transformers (bench_speed.py)
+
+The run calibrates itself (unloaded latency gives the SLOs, a bulk run the saturation rate) and
+sizes the workload to a time target per run, so a slow machine runs fewer requests, not longer.
+Metrics are vLLM benchmark_serving's (metrics.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import bench_speed
+import client
+import sim
+from config import Parser, add_engine_flags, engine_config
+from loader import load_model, resolve_device
+from metrics import plot, print_table, progress, summarize, verdict
+from model import ModelLoadError
+from scheduler import Request
+from schedlog import log_name
+from superinfer import Engine, SamplingParams
+from workload import (DEFAULT_TRACE, Item, Scaling, TraceError, describe_scaling, read_trace,
+                      synthetic_prompts, synthetic_workload, trace_workload, with_rate)
+
+JSON_KEYS = ("policy", "rate", "num_requests", "ttft_attainment", "tbt_attainment", "goodput_req_s",
+             "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "rotations",
+             "bytes_moved")
+QUIET_TBT = 0.035   # unloaded decode step of the embedded model on a quiet 2-core machine, s
+
+
+# ---------------------------------------------------------------- serving loops
+
+def serve(engine: Engine, items: list[Item], prompts: list[list[int]], label: str,
+          deadline: float = math.inf) -> tuple[list, dict]:
+    """Online serving: requests join the running engine at their arrival times (wall clock).
+    Whatever is unfinished `deadline` seconds after the start is aborted."""
+    order = sorted(range(len(items)), key=lambda i: items[i].arrival)
+    t0 = time.perf_counter() + 0.01
+    rids, nxt, busy = [], 0, 0.0
+    bar = progress(len(items), label)
+    while nxt < len(order) or engine.has_unfinished():
+        now = time.perf_counter()
+        if now - t0 > deadline:
+            for rid in rids:
+                engine.abort(rid)
+            break
+        while nxt < len(order) and t0 + items[order[nxt]].arrival <= now:
+            i = order[nxt]
+            params = SamplingParams(max_tokens=items[i].output_len, temperature=0, ignore_eos=True)
+            rids.append(engine.add_request(prompts[i], params, arrival_time=t0 + items[i].arrival))
+            nxt += 1
+        if engine.has_unfinished():
+            t = time.perf_counter()
+            bar.update(sum(ev.finished for ev in engine.step()))
+            busy += time.perf_counter() - t
+        elif nxt < len(order):
+            time.sleep(max(0.0, t0 + items[order[nxt]].arrival - time.perf_counter()))
+    bar.close()
+    outs = [engine.output(rid) for rid in rids]
+    records = [(o.metrics.arrival_time, o.metrics.token_times) for o in outs]
+    records += [(t0 + items[i].arrival, []) for i in order[len(rids):]]  # never arrived in time
+    stats = engine.stats()
+    unfinished = len(items) - sum(o.finish_reason == "length" for o in outs)
+    return records, stats | {"mean_step_ms": 1e3 * busy / max(1, stats["steps"]),
+                             "unfinished": unfinished}
+
+
+def serve_hf(hf, cfg, items: list[Item], prompts: list[list[int]], label: str,
+             deadline: float = math.inf) -> tuple[list, dict]:
+    """The same arrivals through HF transformers' own continuous batching (its own thread)."""
+    mgr = bench_speed.hf_manager(hf, max(i.output_len for i in items), cfg.max_num_seqs,
+                                 cfg.max_num_batched_tokens, cfg.block_size, cfg.num_device_blocks)
+    order = sorted(range(len(items)), key=lambda i: items[i].arrival)
+    t0 = time.perf_counter() + 0.01
+    arrivals, results, bar = {}, {}, progress(len(items), label)
+    try:
+        for i in order:
+            time.sleep(max(0.0, t0 + items[i].arrival - time.perf_counter()))
+            arrivals[str(i)] = t0 + items[i].arrival
+            mgr.add_request(prompts[i], request_id=str(i), max_new_tokens=items[i].output_len,
+                            record_timestamps=True)
+            while (r := mgr.get_result(timeout=0)) is not None:
+                results[r.request_id] = r
+                bar.update(1)
+        while len(results) < len(items) and mgr.is_running() and time.perf_counter() < t0 + deadline:
+            r = mgr.get_result(timeout=1.0)
+            if r is not None:
+                results[r.request_id] = r
+                bar.update(1)
+    finally:
+        mgr.stop(block=True)
+        hf.destroy_cached_continuous_batching_manager()
+        bar.close()
+    records = [(arrivals[k], list(results[k].timestamps or []) if k in results else [])
+               for k in arrivals]
+    return records, {"unfinished": len(items) - len(results)}
+
+
+# ---------------------------------------------------------------- workload and calibration
+
+def build_workload(args, vocab: int):
+    if args.trace == "none":
+        items = synthetic_workload(args.num_requests, 1.0, args.burstiness, args.input_lens,
+                                   args.output_lens, args.seed)
+        text = f"synthetic: prompt lengths {args.input_lens}, output lengths {args.output_lens}"
+    else:
+        rows = read_trace(args.trace)
+        scaling = Scaling(args.prompt_scale, args.output_scale, args.max_len, args.max_len,
+                          args.min_output)
+        items = trace_workload(rows, args.num_requests, args.trace_offset, scaling,
+                               time_scale=args.time_scale or 1.0)
+        text = (f"trace {os.path.basename(args.trace)} requests [{args.trace_offset}, "
+                f"{args.trace_offset + args.num_requests}); "
+                + describe_scaling(rows, items, args.trace_offset, scaling))
+    return items, synthetic_prompts(items, vocab, args.seed), text
+
+
+def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
+    """(TTFT SLO, TBT SLO, saturation req/s) measured with run(items, prompts, label, deadline):
+    the unloaded latency of a median request sets the SLOs, and requests queued all at once
+    measure the rate this machine (or server) serves."""
+    run([Item(0.0, 16, 4)], [[1000] * 16], "warm-up", args.run_seconds)
+    med = sorted(items, key=lambda i: i.prompt_len)[len(items) // 2]
+    recs, _ = run([Item(0.0, med.prompt_len, 16)], synthetic_prompts([med], 2000, 1),
+                  "unloaded latency", args.run_seconds)
+    times = recs[0][1]
+    if len(times) < 2:
+        raise SystemExit("bench: error: the unloaded request did not complete; cannot calibrate")
+    ttft0, tbt0 = times[0] - recs[0][0], (times[-1] - times[0]) / (len(times) - 1)
+    ttft_slo = args.ttft_slo or round(args.ttft_slo_factor * ttft0, 2)
+    tbt_slo = args.tbt_slo or round(args.tbt_slo_factor * tbt0, 3)
+    print(f"unloaded: TTFT {ttft0:.3f} s (prompt {med.prompt_len}), TBT {tbt0 * 1e3:.1f} ms -> SLOs "
+          f"TTFT {ttft_slo:.2f} s, TBT {tbt_slo * 1e3:.0f} ms")
+    if args.model is None and args.backend_first != "openai" and tbt0 > 2.5 * QUIET_TBT:
+        print(f"warning: decoding is {tbt0 / QUIET_TBT:.1f}x slower than on a quiet 2-core machine "
+              "(is something else running?); the workload is shrunk to keep the run short, and "
+              "results will be noisier")
+    k = min(len(items), 2 * cfg.max_num_seqs)
+    bulk = [Item(0.0, i.prompt_len, i.output_len) for i in items[:k]]
+    recs, _ = run(bulk, prompts[:k], "calibrating saturation", args.run_seconds)
+    ends = sorted(t[-1] for _, t in recs if t)
+    sat = len(ends) / (ends[-1] - min(a for a, _ in recs)) if ends else 0.1
+    return ttft_slo, tbt_slo, sat
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def runner(pol: str, args, cfg, model, tok, hf, runs: int):
+    """run(items, prompts, label, deadline) -> (records, stats) for one row of the table."""
+    if pol == "openai":
+        return lambda *a: client.serve(args.base_url, args.served_model, *a)
+    if pol == "hf":
+        return lambda *a: serve_hf(hf, cfg, *a)
+
+    def run(items, prompts, label, deadline, rate=None):
+        log = log_name(args.log_path, pol, rate, runs) if rate is not None else None
+        engine = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
+        try:
+            return serve(engine, items, prompts, label, deadline)
+        finally:
+            engine.close()
+    return run
+
+
+def bench_config(ap, args, **override):
+    """The engine settings of the runs (B_xfer is set from the pool later when not given)."""
+    calibrated = {"ttft_slo": args.ttft_slo or 5.0, "tbt_slo": args.tbt_slo or 0.1}  # measured later
+    return engine_config(ap, args, **calibrated | override)
+
+
+def run_serving(args, ap) -> list[dict]:
+    cfg = bench_config(ap, args, policy="fcfs")
+    local = [p for p in args.policies if p != "openai"]
+    model = tok = None
+    if local:
+        model, tok = load_model(cfg.model, cfg.device, cfg.dtype)
+    torch.manual_seed(args.seed)
+    vocab = model.cfg.vocab_size if model else args.vocab_size
+    items, prompts, text = build_workload(args, vocab)
+    mean_len = statistics.mean(i.prompt_len + i.output_len for i in items)
+    biggest = max(-(-(i.prompt_len + i.output_len) // cfg.block_size) for i in items)
+    cfg.num_device_blocks = cfg.num_device_blocks or max(
+        biggest, round(args.pool_seqs * mean_len / cfg.block_size))
+    if args.swap_watermark is None:  # the released policy's watermark, scaled to the pool
+        cfg.swap_watermark = max(4, cfg.num_device_blocks // 4)
+    print(f"workload: {text}")
+    if local:
+        print(f"KV pool: {cfg.num_device_blocks} device blocks of {cfg.block_size} tokens (about "
+              f"{cfg.num_device_blocks * cfg.block_size / mean_len:.1f} mean requests), "
+              f"{cfg.num_host_blocks} host blocks; <= {cfg.max_num_seqs} seqs and "
+              f"{cfg.max_num_batched_tokens} tokens a step; B_xfer {cfg.xfer_budget} blocks, released "
+              f"watermark {cfg.swap_watermark}")
+    runs = len(args.policies) * max(1, len(args.rates or args.rate_factors))
+    hf = bench_speed.hf_model(cfg.model) if "hf" in args.policies else None
+    first = args.policies[0] if args.policies[0] != "hf" else (local[0] if local else "openai")
+    args.backend_first = first
+    ttft_slo, tbt_slo, sat = calibrate(runner(first if first != "hf" else "fcfs", args, cfg,
+                                              model, tok, hf, runs), items, prompts, cfg, args)
+    cfg = replace(cfg, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
+    if args.rates:
+        rates = args.rates
+    elif args.time_scale is not None and args.trace != "none":  # the trace's own timing
+        rates = [(len(items) - 1) / (items[-1].arrival - items[0].arrival)]
+    else:
+        rates = [round(sat * f, 2) for f in args.rate_factors]
+    n = len(items) if args.rates or args.time_scale else max(
+        12, min(len(items), round(args.run_seconds * sat)))   # about run_seconds of work
+    print(f"saturation {sat:.2f} req/s -> rates {rates}; {n} requests a run; {runs} runs of about "
+          f"{n / max(sat, 1e-3):.0f} s each (each cut off at {2 * args.run_seconds:.0f} s)")
+    results = []
+    for rate in rates:
+        timed = with_rate(items[:n], rate)
+        for pol in args.policies:
+            run = runner(pol, args, cfg, model, tok, hf, runs)
+            label = f"{pol} @ {rate:.2f} req/s"
+            cap = 2 * args.run_seconds
+            recs, stats = (run(timed, prompts, label, cap, rate) if pol not in ("hf", "openai")
+                           else run(timed, prompts, label, cap))
+            results.append(row(pol, rate, recs, stats, ttft_slo, tbt_slo, args))
+            if args.validate_sim and pol not in ("hf", "openai"):
+                results[-1]["sim"] = validate_row(results[-1], timed, replace(cfg, policy=pol), pol)
+    print_table(results, (ttft_slo, tbt_slo))
+    for line in verdict(results):
+        print(line)
+    return results
+
+
+def row(pol, rate, recs, stats, ttft_slo, tbt_slo, args) -> dict:
+    r = {"policy": pol, "rate": rate, **summarize(recs, ttft_slo, tbt_slo, args.tpot_slo)}
+    r |= {k: stats.get(k, 0) for k in ("rotations", "recomputes", "bytes_moved", "unfinished")}
+    r["mean_step_ms"] = stats.get("mean_step_ms", math.nan)
+    cut = f", {r['unfinished']} cut off at the time cap" if r["unfinished"] else ""
+    print(f"  {pol:<24} {rate:5.2f} req/s: TTFT att {r['ttft_attainment']:6.1%}  TBT att "
+          f"{r['tbt_attainment']:6.1%}  {r['throughput_tok_s']:6.1f} tok/s  rotations "
+          f"{r['rotations']}  step {r['mean_step_ms']:.0f} ms{cut}", flush=True)
+    return r
+
+
+def validate_row(real: dict, items: list[Item], cfg, policy: str) -> dict:
+    """The same workload through sim.py's `cpu` profile: how far is the cost model from here?"""
+    cost = sim.CostModel(sim.MODELS["smollm2-135m"], sim.cpu_profile(), cfg.block_size,
+                         device_blocks=cfg.num_device_blocks, host_blocks=cfg.num_host_blocks)
+    reqs = [Request(f"v{i}", it.prompt_len, it.output_len, it.arrival) for i, it in enumerate(items)]
+    r = sim.run_policy(policy, reqs, cost, cfg)
+    print(f"  {'  sim (cpu profile)':<24}            TTFT att {r['ttft_attainment']:6.1%}  TBT att "
+          f"{r['tbt_attainment']:6.1%}  {r['throughput_tok_s']:6.1f} tok/s  rotations "
+          f"{r['rotations']}  step {r['mean_step_ms']:.0f} ms "
+          f"({r['mean_step_ms'] / real['mean_step_ms'] - 1:+.0%})", flush=True)
+    return {k: r[k] for k in ("ttft_attainment", "tbt_attainment", "throughput_tok_s", "rotations",
+                              "mean_step_ms")}
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_args(argv):
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default=None,
+                    help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released; hf "
+                         "(HF transformers' continuous batching); openai (the server at --base-url)."
+                         " With parameters use ';' between policies: 'fcfs;rotasched:quantum=0.5'."
+                         " Default: fcfs,rotasched; with --backend openai: openai")
+    ap.add_argument("--rates", default=None, help="request rates (req/s); default: calibrated")
+    ap.add_argument("--rate-factors", default="1.5", help="without --rates: multiples of the "
+                    "measured saturation rate (default 1.5)")
+    ap.add_argument("--run-seconds", type=float, default=50.0,
+                    help="time target of a run: sizes the workload to about this much work and "
+                         "cuts a run off at twice it (default 50)")
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure-format trace CSV, or 'none'")
+    ap.add_argument("--trace-offset", type=int, default=0, help="first request of the trace slice")
+    ap.add_argument("--num-requests", type=int, default=48, help="most requests a run")
+    ap.add_argument("--prompt-scale", type=float, default=0.15, help="trace prompt lengths x this")
+    ap.add_argument("--output-scale", type=float, default=0.3, help="trace output lengths x this")
+    ap.add_argument("--min-output", type=int, default=8, help="shortest scaled output (tokens)")
+    ap.add_argument("--max-len", type=int, default=384, help="cap on scaled prompts and outputs")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="replay the trace's own timing stretched by this factor (not calibrated)")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape (1 = Poisson)")
+    ap.add_argument("--input-lens", default="64,128,256", help="synthetic prompt lengths")
+    ap.add_argument("--output-lens", default="32,64,128", help="synthetic output lengths")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool-seqs", type=float, default=6.0,
+                    help="without --num-device-blocks: a device pool of this many mean requests")
+    ap.add_argument("--ttft-slo-factor", type=float, default=10.0, help="TTFT SLO / unloaded TTFT")
+    ap.add_argument("--tbt-slo-factor", type=float, default=5.0, help="TBT SLO / unloaded TBT")
+    ap.add_argument("--tpot-slo", type=float, default=None, help="seconds, for goodput (TBT SLO)")
+    ap.add_argument("--json", default=None, help="write one record per (policy, rate)")
+    ap.add_argument("--plot", default=None, help="PNG of attainment vs rate per policy")
+    ap.add_argument("--validate-sim", action="store_true",
+                    help="also run each workload through sim.py's cpu profile")
+    ap.add_argument("--speed", action="store_true", help="tokens/s next to HF (bench_speed.py)")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (default: calibrated)")
+    ap.add_argument("--tbt-slo", type=float, default=None, help="seconds (default: calibrated)")
+    ap.add_argument("--backend", default="engine", choices=["engine", "openai"],
+                    help="openai: replay against the OpenAI-compatible server at --base-url (the "
+                         "row 'openai'; add engine policies to compare in one table)")
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
+    ap.add_argument("--served-model", default=None,
+                    help="model name to ask the server for (default: --model)")
+    ap.add_argument("--vocab-size", type=int, default=32000,
+                    help="prompt token ids are drawn below this when no model is loaded here")
+    # a small pool and batch, so that a CPU sees KV pressure within minutes
+    add_engine_flags(ap, skip=("policy", "ttft_slo", "tbt_slo", "seed"), max_num_seqs=16,
+                     max_num_batched_tokens=256, num_host_blocks=4096)
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    return ap, args
+
+
+def check_args(ap, args) -> None:
+    for name in ("run_seconds", "prompt_scale", "output_scale", "pool_seqs", "burstiness",
+                 "ttft_slo_factor", "tbt_slo_factor"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    for name, lo in (("num_requests", 1), ("trace_offset", 0), ("min_output", 1), ("max_len", 1)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be >= {lo}")
+    for name in ("ttft_slo", "tbt_slo", "tpot_slo", "time_scale"):
+        if getattr(args, name, None) is not None and not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    try:
+        args.rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+        args.rate_factors = [float(f) for f in args.rate_factors.split(",")]
+        args.input_lens = [int(x) for x in args.input_lens.split(",")]
+        args.output_lens = [int(x) for x in args.output_lens.split(",")]
+    except ValueError as e:
+        ap.error(f"a comma list: {e}")
+    if any(not x > 0 for x in (args.rates or []) + args.rate_factors + args.input_lens + args.output_lens):
+        ap.error("rates, rate factors and lengths must be > 0")
+    if args.policies is None:
+        args.policies = "openai" if args.backend == "openai" else "fcfs,rotasched"
+    args.policies = sim.split_policies(args.policies)
+    if args.backend == "openai" and "openai" not in args.policies:
+        args.policies.insert(0, "openai")
+    args.served_model = args.served_model or args.model
+    local = [p for p in args.policies if p != "openai"]
+    if not local:
+        args.model = None  # a name on the server, not a checkpoint here
+    for pol in local:
+        if pol != "hf":
+            bench_config(ap, args, policy=pol)
+    if args.trace != "none":
+        try:
+            n = len(read_trace(args.trace))
+        except TraceError as e:
+            ap.error(str(e))
+        if args.trace_offset + args.num_requests > n:
+            ap.error(f"--trace-offset + --num-requests ({args.trace_offset + args.num_requests}) "
+                     f"exceeds the trace's {n} requests")
+    try:
+        resolve_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def main(argv=None) -> None:
+    ap, args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.speed:
+        bench_speed.run_speed()
+        return
+    try:
+        rows = run_serving(args, ap)
+    except (ModelLoadError, TraceError) as e:
+        sys.exit(f"bench: error: {e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in JSON_KEYS} | r for r in rows], f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, "SuperInfer reference engine")
+
+
+if __name__ == "__main__":
+    main()

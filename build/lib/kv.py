@@ -1,0 +1,480 @@
+"""Two-tier paged KV cache: block accounting, the tensor pools, and the DuplexKV copier.
+
+BlockManager is pure Python (no tensors), so the scheduler, the simulator and the property tests
+share it. A request's blocks live on one tier: its device block table while RUNNING, its host
+blocks while ROTARY. With `duplex=True` (DuplexKV) copies run beside compute: a request keeps
+host copies of its full device blocks, written back eagerly in the background, so rotating out
+copies only the blocks that are still dirty; and a device block that is the source of a copy
+still in flight is *fenced* (freed, but not handed out until the copy is known to be done), so
+a swap-in destination never aliases an in-flight swap-out source. With `duplex=False` (vLLM v0)
+compute waits for every copy, so freed blocks are reusable at once and nothing is mirrored.
+
+The copier reaches streams and events only through a Streams object: CudaStreams on a GPU,
+SyncStreams on a CPU (copies happen at once), or a test's deferred streams that run copies
+late, in any order the declared waits allow.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+Pairs = list[tuple[int, int]]  # (source block, destination block)
+
+
+class KVError(ValueError):
+    """Misuse of the block accounting: unknown request, double free, a budget that cannot fit."""
+
+
+class BlockPool:
+    """One tier's blocks: a free list and who owns each used block."""
+
+    def __init__(self, name: str, capacity: int):
+        if capacity < 0:
+            raise KVError(f"{name} pool: capacity must be >= 0, got {capacity}")
+        self.name, self.capacity = name, capacity
+        self.free: deque[int] = deque(range(capacity))
+        self.owner: dict[int, str] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, rid: str, n: int) -> list[int]:
+        if n > len(self.free):
+            raise KVError(f"{self.name} pool: {rid} asks for {n} blocks, {len(self.free)} free")
+        blocks = [self.free.popleft() for _ in range(n)]
+        for b in blocks:
+            self.owner[b] = rid
+        return blocks
+
+    def release(self, rid: str, blocks: list[int], keep: set[int] = frozenset()) -> None:
+        """Take blocks from rid; those in `keep` stay off the free list (the caller fences them)."""
+        for b in blocks:
+            if self.owner.get(b) != rid:
+                raise KVError(f"{self.name} pool: block {b} freed by {rid} "
+                              f"but owned by {self.owner.get(b)}")
+            del self.owner[b]
+            if b not in keep:
+                self.free.append(b)
+
+
+@dataclass(slots=True)
+class SeqKV:
+    block_table: list[int] = field(default_factory=list)  # device blocks (empty while on host)
+    host_blocks: list[int] = field(default_factory=list)  # host mirrors of blocks [0, len)
+    num_tokens: int = 0                                    # tokens that have a KV slot
+    num_clean: int = 0        # logical blocks [0, num_clean) equal their host copy
+    on_host: bool = False
+
+
+@dataclass(slots=True)
+class SwapOutEffect:
+    """What parking a request on host would do now: device blocks free at once, host blocks to
+    allocate, blocks to copy."""
+    room: int
+    host_need: int
+    copies: int
+
+
+class BlockManager:
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
+                 duplex: bool = True):
+        if block_size <= 0:
+            raise KVError(f"block_size must be positive, got {block_size}")
+        self.block_size, self.duplex = block_size, duplex
+        self.device = BlockPool("device", num_device_blocks)
+        self.host = BlockPool("host", num_host_blocks)
+        self.seqs: dict[str, SeqKV] = {}
+        self.epoch = 0                   # copies planned now belong to this epoch
+        self.busy: dict[int, int] = {}   # device block -> epoch of the last copy reading it
+        self.fenced: set[int] = set()    # freed device blocks whose outgoing copy may be in flight
+        self.host_fenced: list[int] = []  # v0: host blocks of this epoch's swap-ins, still read
+        self.landed = -1                  # the latest epoch whose copies are known to be done
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        """Device blocks that can be handed out now."""
+        return self.device.num_free
+
+    @property
+    def num_fenced(self) -> int:
+        """Device blocks that become free when the copies reading them land."""
+        return len(self.fenced)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def seq(self, rid: str) -> SeqKV:
+        if rid not in self.seqs:
+            raise KVError(f"unknown request {rid!r}")
+        return self.seqs[rid]
+
+    def block_table(self, rid: str) -> list[int]:
+        return self.seq(rid).block_table
+
+    def num_blocks(self, rid: str) -> int:
+        s = self.seqs.get(rid)
+        return self.blocks_for(s.num_tokens) if s else 0
+
+    def new_blocks_needed(self, rid: str, n: int) -> int:
+        """Device blocks to allocate before rid's KV can grow by n tokens."""
+        s = self.seqs.get(rid, SeqKV())
+        return max(0, self.blocks_for(s.num_tokens + n) - len(s.block_table))
+
+    def swap_out_effect(self, rid: str, drop_tokens: int = 0) -> SwapOutEffect:
+        """The effect of shrink(rid, drop_tokens) followed by swap_out(rid), without doing it."""
+        s = self.seq(rid)
+        keep = self.blocks_for(s.num_tokens - drop_tokens)
+        clean = min(s.num_clean, keep)
+        room = len(s.block_table)
+        if self.duplex:  # dirty blocks, and blocks still read by copies, stay fenced for now
+            fenced = s.block_table[clean:keep] + [b for b in s.block_table[:clean] +
+                                                  s.block_table[keep:] if b in self.busy]
+            room -= len(set(fenced))
+        return SwapOutEffect(room, max(0, keep - len(s.host_blocks)), keep - clean)
+
+    def usage(self, tier: str) -> float:
+        pool = self.device if tier == "device" else self.host
+        return len(pool.owner) / pool.capacity if pool.capacity else 1.0
+
+    # ------------------------------------------------------------ growth and write-back
+    def append(self, rid: str, n: int) -> list[int]:
+        """Give rid KV slots for n more tokens on device; returns the newly allocated blocks."""
+        s = self.seqs.get(rid, SeqKV())
+        assert not s.on_host, f"{rid} is parked on host"
+        need = self.blocks_for(s.num_tokens + n) - len(s.block_table)
+        new = self.device.allocate(rid, need) if need > 0 else []  # raises before any change
+        self.seqs[rid] = s
+        s.block_table += new
+        s.num_clean = min(s.num_clean, s.num_tokens // self.block_size)  # next token's block
+        s.num_tokens += n
+        return new
+
+    def shrink(self, rid: str, n: int) -> None:
+        """Take back the last n token slots (a step that will not run): free unneeded blocks."""
+        s = self.seq(rid)
+        assert not s.on_host and 0 <= n <= s.num_tokens, (rid, n, s.num_tokens)
+        s.num_tokens -= n
+        keep = self.blocks_for(s.num_tokens)
+        self._free_device(rid, s.block_table[keep:])
+        del s.block_table[keep:]
+        s.num_clean = min(s.num_clean, keep)
+        if not s.num_tokens and not s.host_blocks:
+            del self.seqs[rid]
+
+    def writeback(self, rid: str, computed_tokens: int, limit: int, reserve: int = 0) -> Pairs:
+        """Plan copies of rid's full, dirty device blocks to their host mirror (at most `limit`
+        blocks, leaving `reserve` host blocks free for rotations)."""
+        s = self.seq(rid)
+        full = min(computed_tokens, s.num_tokens) // self.block_size
+        if not self.duplex or s.on_host or full <= s.num_clean:
+            return []
+        room = max(0, self.host.num_free - reserve)
+        upto = s.num_clean
+        while upto < full and upto - s.num_clean < limit and (upto < len(s.host_blocks) or room):
+            if upto >= len(s.host_blocks):
+                s.host_blocks += self.host.allocate(rid, 1)
+                room -= 1
+            upto += 1
+        pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, upto)]
+        self._mark_busy(pairs)
+        s.num_clean = upto
+        return pairs
+
+    # ------------------------------------------------------------ rotation
+    def swap_out(self, rid: str) -> Pairs:
+        """Park rid on host: copy its dirty blocks, free (or fence) its device blocks."""
+        s = self.seq(rid)
+        assert not s.on_host, f"{rid} is already on host"
+        s.host_blocks += self.host.allocate(rid, self.swap_out_effect(rid).host_need)
+        n = len(s.block_table)
+        pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, n)]
+        self._mark_busy(pairs)
+        self._free_device(rid, s.block_table)
+        s.block_table, s.num_clean, s.on_host = [], n, True
+        return pairs
+
+    def swap_in(self, rid: str) -> Pairs:
+        """Bring rid back to device: every block is copied; the host copy stays as its mirror."""
+        s = self.seq(rid)
+        assert s.on_host, f"{rid} is not on host"
+        n = self.blocks_for(s.num_tokens)
+        s.block_table = self.device.allocate(rid, n)
+        pairs = list(zip(s.host_blocks[:n], s.block_table))
+        s.on_host, s.num_clean = False, n
+        if not self.duplex:  # vLLM v0: host blocks are freed once swapped back in, and reused
+            self.host.release(rid, s.host_blocks, keep=set(s.host_blocks))  # after this epoch
+            self.host_fenced += s.host_blocks
+            s.host_blocks, s.num_clean = [], 0
+        return pairs
+
+    def free(self, rid: str) -> None:
+        """Drop every block of rid on both tiers (finish, abort or recompute-preemption)."""
+        s = self.seqs.pop(rid, None)
+        if s is None:
+            raise KVError(f"free of unknown request {rid!r} (never allocated, or freed twice)")
+        self._free_device(rid, s.block_table)
+        self.host.release(rid, s.host_blocks)
+
+    # ------------------------------------------------------------ copy fences
+    def _mark_busy(self, pairs: Pairs) -> None:
+        if not self.duplex:
+            return  # compute waits for these copies, so their sources are reusable at once
+        for src, _ in pairs:
+            self.busy[src] = self.epoch
+
+    def _free_device(self, rid: str, blocks: list[int]) -> None:
+        held = {b for b in blocks if b in self.busy}
+        self.device.release(rid, blocks, keep=held)
+        self.fenced |= held
+
+    def next_epoch(self) -> int:
+        """Close the current epoch of planned copies; returns the one just closed."""
+        self.host.free.extend(self.host_fenced)  # v0 copies of an epoch all land before the next
+        self.host_fenced = []
+        self.epoch += 1
+        return self.epoch - 1
+
+    def copies_done(self, epoch: int | None = None) -> None:
+        """Every copy planned in epochs <= epoch (all, if None) has completed."""
+        self.landed = max(self.landed, self.epoch - 1 if epoch is None else epoch)
+        if epoch is None:
+            self.host.free.extend(self.host_fenced)
+            self.host_fenced = []
+        done = [b for b, e in self.busy.items() if epoch is None or e <= epoch]
+        for b in done:
+            del self.busy[b]
+            if b in self.fenced:
+                self.fenced.discard(b)
+                self.device.free.append(b)
+
+    # ------------------------------------------------------------ invariants
+    def check(self) -> None:
+        for pool in (self.device, self.host):
+            free = set(pool.free)
+            assert len(free) == len(pool.free), f"{pool.name}: a block is free twice"
+            assert not free & set(pool.owner), f"{pool.name}: a block is both free and owned"
+        fenced = self.fenced
+        assert not fenced & set(self.device.free) and not fenced & set(self.device.owner)
+        assert self.device.num_free + len(self.device.owner) + len(fenced) == self.device.capacity
+        assert self.host.num_free + len(self.host.owner) + len(self.host_fenced) == self.host.capacity
+        for rid, s in self.seqs.items():
+            assert all(self.device.owner[b] == rid for b in s.block_table), rid
+            assert all(self.host.owner[b] == rid for b in s.host_blocks), rid
+            n = self.blocks_for(s.num_tokens)
+            if s.on_host:
+                assert not s.block_table and len(s.host_blocks) >= n, f"{rid}: parked, not on host"
+            else:
+                assert len(s.block_table) >= n, f"{rid}: running without blocks for its tokens"
+                assert s.num_clean <= min(len(s.host_blocks), len(s.block_table)), rid
+        assert sum(len(s.block_table) for s in self.seqs.values()) == len(self.device.owner)
+        assert sum(len(s.host_blocks) for s in self.seqs.values()) == len(self.host.owner)
+
+
+# ---------------------------------------------------------------- tensors
+
+def block_bytes(block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(block_shape).numel() * dtype.itemsize
+
+
+def blocks_for_budget(budget: int | float, block_shape, dtype, device: torch.device) -> int:
+    """Blocks that fit in `budget`: bytes (int) or a fraction (0, 1] of free device memory."""
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise KVError(f"memory fraction must be in (0, 1], got {budget}")
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(free * budget)
+    size = block_bytes(block_shape, dtype)
+    if budget // size <= 0:
+        raise KVError(f"a KV budget of {budget} bytes holds no block of {size} bytes")
+    return budget // size
+
+
+class KVPools:
+    """Device and host pools, both (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device | str):
+        device = torch.device(device)
+        for name, n in (("num_device_blocks", num_device_blocks),
+                        ("num_host_blocks", num_host_blocks)):
+            if n < 0:
+                raise KVError(f"{name} must be >= 0, got {n}")
+        # zeros: attention reads unwritten slots of a sequence's last block (masked), and
+        # 0 * NaN would poison them. The host pool is only read where a copy wrote first.
+        self.device = torch.zeros((num_device_blocks, *block_shape), dtype=dtype, device=device)
+        self.host = torch.empty((num_host_blocks, *block_shape), dtype=dtype,
+                                pin_memory=device.type == "cuda")
+
+
+def merge_runs(pairs: Pairs) -> list[tuple[int, int, int]]:
+    """(src, dst, n) runs where both source and destination ids are consecutive: one copy each."""
+    runs: list[list[int]] = []
+    for s, d in sorted(pairs):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def copy_merged(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs) -> int:
+    """Block-first copy: one copy per run of consecutive blocks. Returns the number of copies."""
+    runs = merge_runs(pairs)
+    for s, d, n in runs:
+        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+    return len(runs)
+
+
+def copy_per_layer(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs) -> int:
+    """vLLM v0's swap pattern: one copy per block, per layer, for K and for V."""
+    layers = src.shape[1]
+    for s, d in pairs:
+        for layer in range(layers):
+            for kv in (0, 1):
+                dst[d, layer, kv].copy_(src[s, layer, kv], non_blocking=True)
+    return len(pairs) * layers * 2
+
+
+# ---------------------------------------------------------------- streams
+
+OUT, IN = "out", "in"   # device->host and host->device copy streams
+
+
+class SyncStreams:
+    """No streams (CPU): every copy runs when it is enqueued, so every event is complete."""
+
+    def enqueue(self, stream: str, fn, touches=()) -> None:
+        fn()
+
+    def record(self, stream: str) -> object:
+        return None
+
+    def wait(self, stream: str, event) -> None:
+        pass
+
+    def wait_compute(self, stream: str) -> None:
+        pass
+
+    def compute_wait(self, event) -> None:
+        pass
+
+    def done(self, event) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaStreams:
+    """The two copy streams, events and the compute stream of the pools' own device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.streams = {OUT: torch.cuda.Stream(device=device), IN: torch.cuda.Stream(device=device)}
+
+    def enqueue(self, stream: str, fn, touches=()) -> None:
+        with torch.cuda.stream(self.streams[stream]):
+            fn()
+
+    def record(self, stream: str):
+        return self.streams[stream].record_event()
+
+    def wait(self, stream: str, event) -> None:
+        if event is not None:
+            self.streams[stream].wait_event(event)
+
+    def wait_compute(self, stream: str) -> None:
+        self.streams[stream].wait_stream(torch.cuda.current_stream(self.device))
+
+    def compute_wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def done(self, event) -> bool:
+        return event is None or event.query()
+
+    def synchronize(self) -> None:
+        for s in self.streams.values():
+            s.synchronize()
+
+
+class DuplexCopier:
+    """Moves one epoch's blocks device->host and host->device, both directions at once.
+
+    Ordering, as waits between streams (the CPU runs every copy at once, so it needs none):
+    - a copy waits for the compute enqueued before it: device sources were written, and device
+      destinations read, by earlier forwards;
+    - a copy waits for the other direction's copies of earlier epochs: a swap-in reads host
+      blocks an older swap-out writes, and a write-back may reuse a host block that an older
+      swap-in still reads (its request finished meanwhile);
+    - with DuplexKV the sources of outgoing copies stay fenced in the block manager until they
+      land, so the forward never waits for them: they run under it. A swapped-in request either
+      computes in the same step (the forward waits for that epoch's swap-ins) or, with
+      `overlap`, from the next one, so the forward of epoch N waits only for swap-ins of earlier
+      epochs and epoch N's swap-ins run under it too;
+    - without DuplexKV (vLLM v0) blocks are reused at once and a swapped-in request computes in
+      the same step: swap-ins wait for the same epoch's swap-outs, and the forward for both.
+    """
+
+    def __init__(self, pools: KVPools, duplex: bool = True, streams=None, overlap: bool = True):
+        self.pools, self.duplex, self.overlap = pools, duplex, duplex and overlap
+        if streams is None:
+            dev = pools.device.device
+            streams = CudaStreams(dev) if dev.type == "cuda" else SyncStreams()
+        self.streams = streams
+        self.last = {OUT: None, IN: None}             # latest event on each stream
+        self.epochs: deque[tuple[int, object]] = deque()  # (epoch, its last outgoing event)
+        self.done_epoch = -1
+        self.copies = self.blocks_moved = 0
+
+    def submit(self, epoch: int, out_pairs: Pairs, in_pairs: Pairs) -> None:
+        """Launch an epoch's copies and make compute wait for the ones its forward reads."""
+        earlier = dict(self.last)
+        if out_pairs:
+            self._launch(OUT, earlier[IN], self.pools.device, self.pools.host, out_pairs)
+        if in_pairs:
+            same_step = None if self.duplex else self.last[OUT]
+            self._launch(IN, earlier[OUT], self.pools.host, self.pools.device, in_pairs, same_step)
+        for event in self.forward_waits(earlier):
+            self.streams.compute_wait(event)
+        self.epochs.append((epoch, self.last[OUT]))
+
+    def forward_waits(self, earlier: dict) -> list:
+        if self.overlap:     # requests swapped in now run next step: only earlier swap-ins
+            return [earlier[IN]]
+        if self.duplex:      # they run now: this step's swap-ins (fences guard the rest)
+            return [self.last[IN]]
+        return [self.last[OUT], self.last[IN]]  # v0: blocks are reused at once
+
+    def _launch(self, stream: str, other_earlier, src, dst, pairs: Pairs, extra=None) -> None:
+        s = self.streams
+        s.wait_compute(stream)
+        s.wait(stream, other_earlier)
+        s.wait(stream, extra)
+        tiers = ("device", "host") if stream == OUT else ("host", "device")
+        touches = [(tiers[0], a, "r") for a, _ in pairs] + [(tiers[1], b, "w") for _, b in pairs]
+        copy = copy_merged if self.duplex else copy_per_layer
+        s.enqueue(stream, lambda: self._count(copy(src, dst, pairs)), touches)
+        self.blocks_moved += len(pairs)
+        self.last[stream] = s.record(stream)
+
+    def _count(self, copies: int) -> None:
+        self.copies += copies
+
+    def completed_epoch(self) -> int:
+        """The latest epoch whose outgoing copies (and all earlier ones) have landed."""
+        while self.epochs and self.streams.done(self.epochs[0][1]):
+            self.done_epoch = self.epochs.popleft()[0]
+        return self.done_epoch
+
+    def synchronize(self) -> None:
+        self.streams.synchronize()
+        self.completed_epoch()

@@ -1,0 +1,183 @@
+"""SLO metrics and their presentation, shared by bench.py and sim.py (pure Python, no torch).
+
+Metrics follow vLLM's benchmark_serving: TTFT = first token - arrival; TBT = every gap between
+consecutive tokens, pooled over requests (as the paper's client does); TPOT = (e2e - TTFT) /
+(n - 1); goodput = requests/s meeting both the TTFT and the TPOT SLO.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from tqdm import tqdm
+
+LEGEND = ("TTFT: arrival to first token. TBT: each gap between two tokens of a request, pooled. "
+          "E2E: arrival to last token.\nattainment: share of requests with TTFT <= SLO, share of "
+          "gaps <= TBT SLO. goodput: requests/s meeting the TTFT and TPOT SLOs.\nrot: rotations "
+          "(KV parked on host and back); pre: preemptions by recompute; GiB: KV moved between "
+          "tiers, write-backs included.")
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default); nan for no data."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats(name: str, xs: list[float]) -> dict:
+    return {f"{name}_mean_s": sum(xs) / len(xs) if xs else math.nan,
+            f"{name}_p50_s": percentile(xs, 50), f"{name}_p99_s": percentile(xs, 99)}
+
+
+def summarize(records: list[tuple[float, list[float]]], ttft_slo: float, tbt_slo: float,
+              tpot_slo: float | None = None) -> dict:
+    """records: (arrival, token times) per request. The TPOT SLO defaults to the TBT SLO."""
+    tpot_slo = tbt_slo if tpot_slo is None else tpot_slo
+    ttft, tbt, e2e, good, n_tok = [], [], [], 0, 0
+    for arrival, times in records:
+        if not times:
+            continue
+        first = times[0] - arrival
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        ttft.append(first)
+        tbt += [b - a for a, b in zip(times, times[1:])]
+        e2e.append(times[-1] - arrival)
+        n_tok += len(times)
+        good += first <= ttft_slo and tpot <= tpot_slo
+    n = len(records)
+    start = min((a for a, _ in records), default=0.0)
+    end = max((t[-1] for _, t in records if t), default=start)
+    duration = max(end - start, 1e-9)
+    return {"num_requests": n, "completed": len(ttft), "duration_s": duration,
+            **stats("ttft", ttft), **stats("tbt", tbt), **stats("e2e", e2e),
+            "ttft_attainment": sum(x <= ttft_slo for x in ttft) / n if n else math.nan,
+            "tbt_attainment": sum(g <= tbt_slo for g in tbt) / len(tbt) if tbt else 1.0,
+            "goodput_req_s": good / duration, "throughput_tok_s": n_tok / duration,
+            "request_throughput": len(ttft) / duration}
+
+
+# ---------------------------------------------------------------- the table
+
+COLUMNS = "  rate   mean   p50   p99   mean   p50   p99    p99   TTFT    TBT goodput  tok/s    rot  pre     GiB"
+GROUPS = "        |-- TTFT (s) ------| |-- TBT (ms) -----|  E2E s |attainment|"
+
+
+def print_table(rows: list[dict], slos: tuple[float, float], title: str = "Serving benchmark",
+                legend: bool = True) -> None:
+    width = min(24, max([6] + [len(r["policy"]) for r in rows]))
+    head = f"{'policy':<{width}}{COLUMNS}"
+    print(f"\n== {title}: TTFT SLO {slos[0]:.2f} s, TBT SLO {slos[1] * 1e3:.0f} ms ==")
+    print(" " * width + GROUPS)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        name = r["policy"]
+        if len(name) > width:
+            print(name)
+            name = ""
+        print(f"{name:<{width}}{r['rate']:6.2f}{r['ttft_mean_s']:7.2f}{r['ttft_p50_s']:6.2f}"
+              f"{r['ttft_p99_s']:6.2f}{r['tbt_mean_s'] * 1e3:7.0f}{r['tbt_p50_s'] * 1e3:6.0f}"
+              f"{r['tbt_p99_s'] * 1e3:6.0f}{r['e2e_p99_s']:7.1f}{r['ttft_attainment']:7.1%}"
+              f"{r['tbt_attainment']:7.1%}{r['goodput_req_s']:8.2f}{r['throughput_tok_s']:7.1f}"
+              f"{r.get('rotations', 0):7d}{r.get('recomputes', 0):5d}"
+              f"{r.get('bytes_moved', 0) / 2**30:8.1f}")
+    if legend:
+        print(LEGEND)
+
+
+# ---------------------------------------------------------------- the verdict
+
+def harms(base: dict, row: dict) -> list[str]:
+    """Ways a rotating policy did worse than fcfs beyond noise: TBT p99 above 2x fcfs's; and,
+    where fcfs met the TTFT SLO or nothing was KV-bound, attainment 5 points or throughput 5%
+    below fcfs's."""
+    out = []
+    if row["tbt_p99_s"] > 2 * base["tbt_p99_s"]:
+        out.append(f"TBT p99 {row['tbt_p99_s'] * 1e3:.0f} ms is "
+                   f"{row['tbt_p99_s'] / base['tbt_p99_s']:.1f}x fcfs's")
+    calm = base["ttft_attainment"] >= 0.9 or not kv_pressure(base, row)
+    if calm:
+        for key, name in (("ttft_attainment", "TTFT"), ("tbt_attainment", "TBT")):
+            if row[key] < base[key] - 0.05:
+                out.append(f"{name} attainment {100 * (row[key] - base[key]):+.1f} points")
+        if row["throughput_tok_s"] < 0.95 * base["throughput_tok_s"]:
+            out.append(f"throughput {row['throughput_tok_s'] / base['throughput_tok_s'] - 1:+.1%}")
+    return out
+
+
+def kv_pressure(base: dict, row: dict) -> bool:
+    """Did the KV pool bind at all: fcfs preempted, or the other policy rotated for room?"""
+    return base.get("recomputes", 0) > 0 or row.get("rotations", 0) > 0
+
+
+def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
+    """Per rate: the best rotating policy against fcfs, and whether rotation had work to do."""
+    lines = []
+    for rate in sorted({r["rate"] for r in rows}):
+        by = {r["policy"]: r for r in rows if r["rate"] == rate}
+        rotating = [r for p, r in by.items() if p.startswith("rotasched")]
+        if base not in by or not rotating:
+            continue
+        b = by[base]
+        best = max(rotating, key=lambda r: (r["ttft_attainment"], r["tbt_attainment"]))
+        gain = best["ttft_attainment"] - b["ttft_attainment"]
+        rel = f", {gain / b['ttft_attainment']:+.0%} relative" if b["ttft_attainment"] > 0 else ""
+        lines.append(f"rate {rate:.2f}/s: best rotating policy {best['policy']}: TTFT attainment "
+                     f"{best['ttft_attainment']:.1%} vs {base} {b['ttft_attainment']:.1%} "
+                     f"({100 * gain:+.1f} points{rel}); TBT attainment "
+                     f"{100 * (best['tbt_attainment'] - b['tbt_attainment']):+.1f} points; "
+                     f"throughput {best['throughput_tok_s'] / b['throughput_tok_s'] - 1:+.1%}")
+        if not kv_pressure(b, best):
+            lines.append(f"rate {rate:.2f}/s: no KV pressure ({base} never preempted, nothing "
+                         "rotated): rotation had nothing to relieve; differences are noise")
+        for r in rotating:
+            for h in harms(b, r):
+                lines.append(f"rate {rate:.2f}/s: {r['policy']} does harm: {h}")
+    return lines
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Attainment vs request rate, one line per policy, like the paper's figures."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in ((axes[0], "ttft_attainment", "TTFT SLO attainment"),
+                          (axes[1], "tbt_attainment", "TBT SLO attainment")):
+        for pol in dict.fromkeys(r["policy"] for r in rows):
+            pts = sorted((r["rate"], r[key]) for r in rows if r["policy"] == pol)
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=pol)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{name} (%)")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- progress and timing
+
+def progress(total: int, desc: str, unit: str = "req") -> tqdm:
+    """A labelled progress bar with an ETA on a terminal; silent when output is piped."""
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True, disable=None)
+
+
+def best_time(fn, repeat: int = 3, sync=None) -> float:
+    """Best wall time of fn() over `repeat` runs, after one warm-up (sync() waits for a device)."""
+    sync = sync or (lambda: None)
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best

@@ -1,0 +1,262 @@
+"""Eager Llama-family model over a flat batch of tokens with a paged, block-first KV cache.
+
+Read top-down: the config, rotary embeddings, the batch, the modules, the model. The model owns
+weights and the forward pass and knows nothing of scheduling. KV lives in one pool shaped
+(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim) (see kv.py), so a block is one
+contiguous chunk; attention reads each layer's strided view of it. Loading is in loader.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the field."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelLoadError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.head_dim == 0 and self.num_heads:
+            self.head_dim = self.hidden_size // self.num_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) == 0:
+                raise ModelLoadError(f"config field {name} must be positive, got 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ModelLoadError(f"config field {name} must be a positive number, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                                 f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    if s["rope_type"] == "linear":
+        return (inv_freq / s["factor"]).float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]; cos/sin: [T, 1, D]; halves rotated as in HF Llama (not interleaved)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ---------------------------------------------------------------- the batch
+
+class Seq(NamedTuple):
+    """One sequence's part of a step."""
+    tokens: list[int]        # new token ids
+    start: int               # position of the first one
+    block_table: list[int]   # physical blocks holding the sequence's KV
+    wants_logits: bool       # sample after this chunk
+
+
+class Prefill(NamedTuple):
+    """A chunk of several tokens, attended to with its own SDPA call."""
+    row: int                 # first row of the chunk in the flat batch
+    length: int              # tokens in the chunk
+    context: int             # tokens of KV the chunk attends to, its own included
+    block_table: Tensor      # [ceil(context / block_size)]
+    mask: Tensor | None      # [length, context]; None when the chunk starts the sequence
+
+
+@dataclass(slots=True)
+class Batch:
+    """One flat step: single-token decodes first (one batched attention call), then chunks.
+    slot_blocks/slot_offsets say where each new token's K/V is written."""
+    input_ids: Tensor            # [T]
+    positions: Tensor            # [T]
+    slot_blocks: Tensor          # [T]
+    slot_offsets: Tensor         # [T]
+    num_decodes: int
+    decode_block_tables: Tensor  # [D, max_blocks], padded with each sequence's own first block
+    decode_mask: Tensor          # [D, 1, 1, max_blocks * block_size]: slots holding context
+    prefills: list[Prefill]
+    logits_indices: Tensor       # [S] rows whose next-token logits are wanted, in seqs' order
+
+
+def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "cpu") -> Batch:
+    """Lay seqs out flat, decodes first; logits rows come back in the order of `seqs`."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens) != 1)
+    ids, pos, blocks, offs, last_row, prefills = [], [], [], [], {}, []
+    dec_tables, dec_lens = [], []
+    for i in order:
+        toks, start, table, _ = seqs[i]
+        n, row = len(toks), len(ids)
+        span = range(start, start + n)
+        ids += toks
+        pos += span
+        blocks += [table[p // block_size] for p in span]
+        offs += [p % block_size for p in span]
+        if n == 1:
+            dec_tables.append(table[:start // block_size + 1])
+            dec_lens.append(start + 1)
+        else:  # query j of the chunk sits at position start + j and sees keys 0 .. start + j
+            ctx = start + n
+            mask = torch.ones(n, ctx, dtype=torch.bool, device=device).tril(start) if start else None
+            table_t = torch.tensor(table[:-(-ctx // block_size)], device=device)
+            prefills.append(Prefill(row, n, ctx, table_t, mask))
+        last_row[i] = row + n - 1
+    width = max((len(t) for t in dec_tables), default=0)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    dec_mask = torch.arange(width * block_size, device=device) < t(dec_lens)[:, None]
+    padded = [tb + tb[:1] * (width - len(tb)) for tb in dec_tables]
+    return Batch(t(ids), t(pos), t(blocks), t(offs), len(dec_tables),
+                 t(padded).reshape(len(dec_tables), width), dec_mask[:, None, None, :], prefills,
+                 t([last_row[i] for i, s in enumerate(seqs) if s.wants_logits]))
+
+
+# ---------------------------------------------------------------- the modules
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=False)
+        self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
+        q = apply_rope(q.view(T, self.h, self.d), cos, sin)          # q: [T, H, Dh]
+        k = apply_rope(k.view(T, self.kvh, self.d), cos, sin)        # k: [T, KVH, Dh]
+        # kv_cache: [num_blocks, 2, bs, KVH, Dh], this layer's strided view of the pool
+        kv_cache[b.slot_blocks, 0, b.slot_offsets] = k
+        kv_cache[b.slot_blocks, 1, b.slot_offsets] = v.view(T, self.kvh, self.d)
+        out = torch.empty_like(q)
+        if b.num_decodes:
+            out[:b.num_decodes] = self.decode(q[:b.num_decodes], kv_cache, b)
+        for p in b.prefills:
+            out[p.row:p.row + p.length] = self.prefill(q[p.row:p.row + p.length], kv_cache, p)
+        return self.wo(out.view(T, self.h * self.d))
+
+    def decode(self, q: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
+        """All single-token queries in one call. GQA without repeating K/V: the H / KVH query heads
+        that share a KV head are that head's queries ([D, KVH, G, Dh] against [D, KVH, S, Dh]),
+        one batched matmul; SDPA's enable_gqa would expand K/V to H heads first."""
+        D = q.shape[0]
+        k = kv_cache[:, 0][b.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [D, KVH, S, Dh]
+        v = kv_cache[:, 1][b.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(D, self.kvh, self.h // self.kvh, self.d), k, v,
+                                           attn_mask=b.decode_mask)
+        return o.reshape(D, self.h, self.d)
+
+    def prefill(self, q: Tensor, kv_cache: Tensor, p: Prefill) -> Tensor:
+        """One chunk: [H, n, Dh] queries over its [KVH, context, Dh] keys, causal within."""
+        k = kv_cache[:, 0][p.block_table].flatten(0, 1)[:p.context].transpose(0, 1)
+        v = kv_cache[:, 1][p.block_table].flatten(0, 1)[:p.context].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=p.mask,
+                                           is_causal=p.mask is None, enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.inter, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, b):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, b)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+# ---------------------------------------------------------------- the model
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, b: Batch, kv_pool: Tensor) -> Tensor:
+        """Run one flat step, writing new K/V into kv_pool; returns logits [S, vocab] (fp32)."""
+        x = self.embed(b.input_ids)                                  # x: [T, hidden]
+        freqs = b.positions[:, None].to(self.inv_freq.dtype) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, Dh]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_pool[:, i], b)
+        x = self.norm(x[b.logits_indices])
+        return self.lm_head(x).float()
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
+        c = self.cfg
+        return (c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)

@@ -1,0 +1,667 @@
+"""Request lifecycle and scheduling: one mechanism; policies that rank requests and pick victims.
+
+Pure Python, no tensors: the engine, the simulator and the property tests all drive it.
+
+    WAITING --admit--> RUNNING --rotate out--> ROTARY --rotate in--> RUNNING --> FINISHED
+    RUNNING --preempt (recompute)--> WAITING;         any state --abort--> ABORTED
+
+schedule(now) builds one step:
+  1. run   the running requests: decodes first, then prefill chunks, each in admission order.
+           One that cannot get a block waits a step if in-flight copies will free enough;
+           otherwise the policy's victim is preempted (rotated out, or recomputed later).
+  2. admit waiting and rotary requests in the policy's order while they fit. A rotating policy
+           may rotate running requests out for a candidate: all the victims it needs, or none.
+  3. write back full, dirty blocks to their host mirrors with the transfer budget left.
+The executor runs the returned StepPlan and calls update(plan, sampled tokens, now).
+
+Device blocks usable this step are the free ones plus, for a victim, the blocks its swap-out
+frees at once (BlockManager.swap_out_effect); blocks still read by in-flight copies (fenced)
+come back when the copies land. With swap_in_overlap (DuplexKV on a GPU) a request rotated in at
+step N computes from step N + 1, so its swap-in runs under step N's forward (kv.DuplexCopier).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kv import BlockManager, Pairs
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    ROTARY = "rotary"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    rid: str
+    num_prompt: int
+    max_tokens: int
+    arrival: float
+    prompt: list[int] | None = None         # token ids (the simulator runs without them)
+    priority: int = 0                       # lower runs first (vLLM's convention)
+    ttft_slo: float | None = None           # per-request SLOs; None: the engine's
+    tbt_slo: float | None = None
+    stop_ids: frozenset[int] = frozenset()
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0                   # tokens whose KV is in the cache
+    seq: int = 0                            # order of arrival at the scheduler (ties)
+    t_queued: float = 0.0                   # when it last entered the waiting or rotary queue
+    t_admitted: float = 0.0                 # when it last became RUNNING
+    t_last_token: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    tokens_since_admit: int = 0
+    finish_reason: str | None = None
+    rotations: int = 0
+    recomputes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt + len(self.output)
+
+    @property
+    def in_decode(self) -> bool:
+        return bool(self.output) and self.num_computed >= self.num_tokens - 1
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without building the whole sequence."""
+        p = self.num_prompt
+        if start >= p:
+            return self.output[start - p:end - p]
+        return (self.prompt or [])[start:end] + self.output[:max(0, end - p)]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    epoch: int
+    now: float
+    chunks: dict[Request, int] = field(default_factory=dict)  # tokens to compute, per request
+    swap_out: Pairs = field(default_factory=list)   # device -> host: rotations, write-backs
+    swap_in: Pairs = field(default_factory=list)    # host -> device
+    admitted: list[str] = field(default_factory=list)    # on device for the first time
+    resumed: list[str] = field(default_factory=list)     # back after a recompute-preemption
+    rotated_in: list[str] = field(default_factory=list)  # swapped back in
+    rotated_out: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)   # by recompute
+    proactive: list[str] = field(default_factory=list)   # rotated out before any shortfall
+    rotated_for: dict[str, str] = field(default_factory=dict)  # victim -> candidate it made room for
+    landed: int = -1                                # copies of epochs <= this had landed
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chunks.values())
+
+    @property
+    def blocks_moved(self) -> int:
+        return len(self.swap_out) + len(self.swap_in)
+
+    def decisions(self) -> dict:
+        """What this step decided, as the schedule log records it (schedlog.py compares these)."""
+        return {"tokens": {r.rid: n for r, n in self.chunks.items()}, "admitted": self.admitted,
+                "resumed": self.resumed, "rotated_in": self.rotated_in,
+                "rotated_out": self.rotated_out, "preempted": self.preempted,
+                "swap_out": len(self.swap_out), "swap_in": len(self.swap_in)}
+
+
+# ---------------------------------------------------------------- policies
+
+class Policy:
+    """FCFS as vLLM v1: arrival order; on a block shortfall the last-admitted running request is
+    preempted by recompute (it goes back to the front of the queue) and nobody is admitted."""
+    name = "fcfs"
+    preempt = "recompute"        # or "swap"
+    duplex = False               # DuplexKV: eager write-back, merged copies, overlapped swap-in
+    xfer_cap = "all"             # what B_xfer caps: "all" moves, "proactive" swap-outs, "none"
+    rotates = False              # may rotate running requests out to admit a candidate
+    one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
+
+    def rank(self, r: Request, now: float) -> tuple:
+        """Smaller is more urgent."""
+        return (r.arrival, r.seq)
+
+    def queues(self, s: Scheduler, plan: StepPlan, now: float) -> list[list[Request]]:
+        """Requests to admit, most urgent first; admission is strict within each list."""
+        if plan.preempted or plan.rotated_out:
+            return []  # vLLM v1: no admissions in a step that preempted
+        return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
+
+    def victim(self, s: Scheduler, r: Request, now: float) -> Request:
+        """The running request to preempt when r cannot get a block (r itself when none)."""
+        return s.running[-1]
+
+    def before_run(self, s: Scheduler, plan: StepPlan, now: float) -> None:
+        """Proactive work before the running requests are scheduled (none by default)."""
+
+
+class PriorityPolicy(Policy):
+    """vLLM v1 priority: (priority, arrival); the victim is the lowest-priority running request,
+    even one already scheduled this step (it is taken back out)."""
+    name = "priority"
+
+    def rank(self, r, now):
+        return (r.priority, r.arrival, r.seq)
+
+    def victim(self, s, r, now):
+        return max(s.running, key=lambda v: self.rank(v, now))
+
+
+class FcfsSwap(Policy):
+    """vLLM v0 with chunked prefill and swap preemption: running requests first, then swapped
+    ones (only in a step that preempted nobody), then new prefills; each queue FCFS and strict.
+    Copies go one block-layer at a time, and compute waits for them."""
+    name, preempt, xfer_cap = "fcfs-swap", "swap", "none"
+
+    def queues(self, s, plan, now):
+        rotary = sorted(s.rotary, key=lambda r: self.rank(r, now))
+        waiting = sorted(s.waiting, key=lambda r: self.rank(r, now))
+        return [waiting] if plan.preempted or plan.rotated_out else [rotary, waiting]
+
+
+class RotaSched(Policy):
+    """The paper's RotaSched: Largest-Virtual-Lag-First with DuplexKV.
+
+    Virtual lag (seconds behind the SLO-derived bound; running requests are negative):
+        waiting  now - arrival     - beta_f * S_TTFT
+        rotary   now - last token  - beta_b * S_TBT
+        running  -(now - t_admitted)
+    alpha weighs the rotary lag (alpha_on="rotary", DESIGN.md's reading) or the waiting one
+    (alpha_on="waiting"); our sources do not settle which. The lag is clamped at 0 for ranking
+    (the ReLU), so not-yet-due requests tie and go in arrival order; a candidate may take room
+    from rotations only once its signed lag is >= 0 (it is due). If every queued request fits,
+    it is FCFS. Ours, not the paper's, each a named parameter:
+      bound    a parked request whose token gap reached `bound` TBT SLOs goes first, and no new
+               request rotates anyone out meanwhile (0 = off; default 4);
+      quantum  seconds a request must run before it may be rotated out (0 = off, the default).
+    The mechanism adds: a rotation for a new request must give it its first token this step.
+    """
+    name, preempt, duplex, rotates = "rotasched", "swap", True, True
+
+    def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
+                 alpha_on: str = "rotary", quantum: float = 0.0, bound: float = 4.0,
+                 duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+        if alpha_on not in ("rotary", "waiting"):
+            raise ValueError(f"alpha_on must be 'rotary' or 'waiting', got {alpha_on!r}")
+        self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
+        self.quantum, self.bound, self.duplex = quantum, bound, duplex
+        self.ttft_slo, self.tbt_slo = ttft_slo, tbt_slo
+
+    def lag(self, r: Request, now: float) -> float:
+        """Signed lag: negative while a queued request is within its bound."""
+        if r.status is Status.RUNNING:
+            return -(now - r.t_admitted)
+        rotary = r.status is Status.ROTARY
+        if rotary:
+            raw = now - r.t_last_token - self.beta_b * (r.tbt_slo or self.tbt_slo)
+        else:
+            raw = now - r.arrival - self.beta_f * (r.ttft_slo or self.ttft_slo)
+        return raw * (self.alpha if rotary == (self.alpha_on == "rotary") else 1.0)
+
+    def vlt(self, r: Request, now: float) -> float:
+        lag = self.lag(r, now)
+        return lag if r.status is Status.RUNNING else max(0.0, lag)
+
+    def overdue(self, r: Request, now: float) -> bool:
+        """A rotary request whose token gap reached `bound` TBT SLOs goes ahead of the rest."""
+        slo = r.tbt_slo or self.tbt_slo
+        return bool(self.bound) and r.status is Status.ROTARY and now - r.t_last_token >= self.bound * slo
+
+    def rank(self, r, now):
+        return (not self.overdue(r, now), -self.vlt(r, now), r.arrival, r.seq)
+
+    def queues(self, s, plan, now):
+        queued = s.waiting + s.rotary
+        if s.fits_all(queued):  # step 1 of LVF: everyone fits, so FCFS
+            return [sorted(queued, key=lambda r: (r.arrival, r.seq))]
+        return [sorted(queued, key=lambda r: self.rank(r, now))]
+
+    def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
+        """Running requests are rotated out only for a candidate whose lag is due, and (with a
+        bound) not for a new request while a parked one is overdue."""
+        if self.overdue(c, now):
+            return True
+        if c.status is Status.WAITING and any(self.overdue(r, now) for r in s.rotary):
+            return False
+        return self.lag(c, now) >= 0
+
+    def victims(self, s: Scheduler, plan: StepPlan, now: float) -> list[Request]:
+        """Running requests that may be rotated out, first choice first: decodes before
+        mid-prefill requests, then the longest-running. A victim must have made progress since it
+        was admitted (no livelock), have run a full time slice, and be able to come back within
+        one step's transfer budget."""
+        ok = [v for v in s.running if v.tokens_since_admit > 0 and now - v.t_admitted >= self.quantum
+              and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
+        return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
+
+    def victim(self, s, r, now):
+        others = [v for v in s.running if v is not r and v.tokens_since_admit > 0]
+        return min(others, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq), default=r)
+
+
+class RotaSchedReleased(Policy):
+    """The authors' released scheduler (SuperInfer, vllm/v1/core/scheduler.py schedule_early):
+    - one FIFO queue of new and swapped-out requests, ordered by when they entered it;
+    - proactive: when not every request fits, host KV usage is below 95% and fewer than B_xfer
+      device blocks are free, swap out the longest-running decodes while the blocks they hold
+      stay under B_xfer in total (B_xfer is a watermark and caps only these swap-outs; the
+      setting swap_watermark gives it its own value, as their --proactive-swap-budget does);
+    - reactive: the last-admitted running request is swapped out; no admissions in a step with a
+      reactive preemption unless it also had proactive ones;
+    - new requests wait while host KV usage is above 90%; one partial prefill at a time (their
+      vLLM V1); every full block written back eagerly, uncapped; no time slice.
+    Ours: their engine runs a request in the step that swaps it in; ours one step later (its copy
+    under the step's forward), so a request is not swapped out again before it has run.
+    """
+    name, preempt, duplex, xfer_cap = "rotasched-released", "swap", True, "proactive"
+    one_partial_prefill = True
+
+    def __init__(self, duplex: bool = True):
+        self.duplex = duplex
+
+    def rank(self, r, now):
+        return (r.t_queued, r.seq)
+
+    def queues(self, s, plan, now):
+        reactive = plan.preempted or len(plan.rotated_out) > len(plan.proactive)
+        if reactive and not plan.proactive:
+            return []
+        return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
+
+    def before_run(self, s, plan, now):
+        bm = s.bm
+        budget = s.cfg.xfer_budget if s.cfg.swap_watermark is None else s.cfg.swap_watermark
+        if s.fits_all(s.running + s.waiting + s.rotary):
+            return
+        if bm.usage("host") >= 0.95 or bm.num_free >= budget:
+            return
+        freed = 0
+        for v in sorted(s.running, key=lambda v: (v.t_admitted, v.seq)):
+            if v.num_tokens - v.num_computed != 1 or not v.tokens_since_admit:
+                continue  # a decode, and (ours) one that has run since it was swapped in
+            n = len(bm.block_table(v.rid))
+            if freed + n >= budget:
+                break
+            if bm.swap_out_effect(v.rid).host_need > bm.host.num_free:
+                break
+            freed += n
+            s.rotate_out(plan, v, proactive=True)
+
+    def victim(self, s, r, now):
+        return s.running[-1]
+
+
+POLICIES = {p.name: p for p in (Policy, FcfsSwap, PriorityPolicy, RotaSched, RotaSchedReleased)}
+ROTASCHED_PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "quantum": float,
+                    "bound": float, "alpha_on": str}
+
+
+def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Policy:
+    """A policy from its name, which may carry parameters: 'rotasched:alpha=1,quantum=0.5';
+    'per-layer' (any swapping policy) stands for vLLM v0's per-layer copies instead of DuplexKV."""
+    name, _, args = spec.partition(":")
+    if name not in POLICIES:
+        raise ValueError(f"policy: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    cls, params = POLICIES[name], {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        if item == "per-layer" and cls in (RotaSched, RotaSchedReleased):
+            params["duplex"] = False
+        elif cls is RotaSched and eq and key in ROTASCHED_PARAMS:
+            params[key] = parse_param(spec, key, value, ROTASCHED_PARAMS[key])
+        else:
+            allowed = "alpha=, beta_f=, beta_b=, alpha_on=, quantum=, bound=, per-layer"
+            takes = {RotaSched: allowed, RotaSchedReleased: "per-layer"}.get(cls, "nothing")
+            raise ValueError(f"policy {spec!r}: cannot read {item!r} ({name} takes {takes})")
+    if cls is RotaSched:
+        return cls(**params, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
+    return cls(**params)
+
+
+def parse_param(spec: str, key: str, value: str, kind: type):
+    if kind is str:
+        return value
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"policy {spec!r}: {key} must be a finite number >= 0, got {value!r}")
+    return x
+
+
+# ---------------------------------------------------------------- the mechanism
+
+class Scheduler:
+    """Continuous batching over two tiers of KV blocks; cfg is an EngineConfig (config.py)."""
+
+    def __init__(self, bm: BlockManager, policy: Policy, cfg):
+        self.bm, self.policy, self.cfg = bm, policy, cfg
+        # DuplexKV may overlap a swap-in with the step before the request runs (a setting)
+        self.overlap = policy.duplex and bool(cfg.swap_in_overlap)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []     # in admission order
+        self.rotary: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.log = open(cfg.log_path, "w") if cfg.log_path else None
+        settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
+        self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
+                  host_blocks=bm.host.capacity)
+        self._seq = itertools.count()
+        self._budget = 0                     # tokens left in this step
+        self._xfer = 0                       # blocks the transfer budget still allows this step
+
+    @classmethod
+    def create(cls, cfg, num_device_blocks: int, num_host_blocks: int) -> "Scheduler":
+        """The policy cfg names, over a block manager of the given pool sizes."""
+        policy = make_policy(cfg.policy, cfg.ttft_slo, cfg.tbt_slo)
+        bm = BlockManager(num_device_blocks, num_host_blocks, cfg.block_size, policy.duplex)
+        return cls(bm, policy, cfg)
+
+    # ------------------------------------------------------------ requests in and out
+    def add(self, r: Request) -> None:
+        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
+        if r.rid in self.requests:
+            raise ValueError(f"request id {r.rid!r} is already in use")
+        if r.num_prompt < 1 or r.max_tokens < 1:
+            raise ValueError(f"request {r.rid}: needs a non-empty prompt and max_tokens >= 1")
+        need = self.bm.blocks_for(r.num_prompt + r.max_tokens)
+        if need > self.bm.device.capacity:
+            raise ValueError(f"request {r.rid}: {r.num_prompt} prompt + {r.max_tokens} output "
+                             f"tokens need {need} KV blocks, more than the whole device pool "
+                             f"({self.bm.device.capacity} blocks)")
+        r.status, r.t_queued, r.seq = Status.WAITING, r.arrival, next(self._seq)
+        self.requests[r.rid] = r
+        self.waiting.append(r)
+        self._log(event="add", rid=r.rid, arrival=r.arrival, num_prompt=r.num_prompt,
+                  max_tokens=r.max_tokens, priority=r.priority, ttft_slo=r.ttft_slo,
+                  tbt_slo=r.tbt_slo)
+
+    def finish(self, rid: str, reason: str) -> None:
+        """End a request that the executor found complete (a stop string)."""
+        self._finish(self.requests[rid], Status.FINISHED, reason)
+        self._log(event="finish", rid=rid, reason=reason)
+
+    def abort(self, rid: str, reason: str = "abort") -> Request:
+        r = self.requests.get(rid)
+        if r is None:
+            raise KeyError(f"unknown request {rid!r}")
+        if r.status not in (Status.FINISHED, Status.ABORTED):
+            self._finish(r, Status.ABORTED, reason)
+            self._log(event="abort", rid=rid, reason=reason)
+        return r
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.rotary)
+
+    def _finish(self, r: Request, status: Status, reason: str) -> None:
+        for q in (self.waiting, self.running, self.rotary):
+            if r in q:
+                q.remove(r)
+        if r.rid in self.bm.seqs:
+            self.bm.free(r.rid)
+        r.status, r.finish_reason = status, reason
+
+    # ------------------------------------------------------------ one step
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan(self.bm.epoch, now, landed=self.bm.landed)
+        self._budget, self._xfer = self.cfg.max_num_batched_tokens, self.cfg.xfer_budget
+        self.policy.before_run(self, plan, now)
+        self._run(plan, now)
+        for queue in self.policy.queues(self, plan, now):
+            self._admit(plan, queue, now)
+        self._write_back(plan)
+        self.bm.next_epoch()
+        self._check(plan)
+        self.num_steps += 1
+        return plan
+
+    def _run(self, plan: StepPlan, now: float) -> None:
+        """Step 1: decodes first, then prefill chunks, each in admission order."""
+        for r in sorted(self.running, key=lambda r: not r.in_decode):
+            if self._budget <= 0:
+                return
+            if r.status is not Status.RUNNING:
+                continue  # preempted for an earlier request of this loop
+            n = min(r.num_tokens - r.num_computed, self._budget)
+            if self._make_room(plan, r, n, now):
+                self._compute(plan, r, n)
+
+    def _make_room(self, plan: StepPlan, r: Request, n: int, now: float) -> bool:
+        """Free device blocks for r's next n tokens, preempting the policy's victims if needed."""
+        need = self.bm.new_blocks_needed(r.rid, n)
+        while need > self.bm.num_free:
+            if need <= self.bm.num_free + self.bm.num_fenced:
+                return False  # copies in flight will free the room: wait a step
+            victim = self.policy.victim(self, r, now)
+            self._preempt(plan, victim, now)
+            if victim is r:
+                return False
+        return True
+
+    def _admit(self, plan: StepPlan, queue: list[Request], now: float) -> None:
+        """Step 2: admit or rotate in, in order, until one does not fit."""
+        for c in queue:
+            if self._budget <= 0 or self._partial_prefill(plan):
+                return
+            if c.status is Status.WAITING and self._hold_new(c):
+                continue
+            if c.rid in plan.rotated_out:
+                continue  # its copy out is in flight: not back in the same step
+            victims = self._victims_for(plan, c, now)
+            if victims is None:
+                return
+            for v in victims:
+                self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
+            self._start(plan, c, now)
+
+    def _victims_for(self, plan: StepPlan, c: Request, now: float) -> list[Request] | None:
+        """The running requests to rotate out so that c fits this step ([] if it fits as is),
+        or None if it cannot fit even with every eligible victim: all or nothing."""
+        if self._fits(plan, c, []):
+            return []
+        if not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
+            return None
+        started = set(plan.admitted + plan.resumed + plan.rotated_in)
+        chosen: list[Request] = []
+        for v in self.policy.victims(self, plan, now):
+            if v.rid in started or not self._affordable(plan, chosen + [v]):
+                continue
+            chosen.append(v)
+            if self._fits(plan, c, chosen):
+                return chosen
+        return None
+
+    def _cost(self, plan: StepPlan, victims: list[Request]) -> tuple[int, int, int, int]:
+        """(device room, token budget, host blocks, blocks moved) once `victims` are rotated
+        out this step: the one place where a step's room is counted."""
+        room, budget, host, moves = self.bm.num_free, self._budget, 0, 0
+        for v in victims:
+            e = self.bm.swap_out_effect(v.rid, plan.chunks.get(v, 0))
+            room, budget = room + e.room, budget + plan.chunks.get(v, 0)
+            host, moves = host + e.host_need, moves + e.copies
+        return room, budget, host, moves
+
+    def _affordable(self, plan: StepPlan, victims: list[Request]) -> bool:
+        _, _, host, moves = self._cost(plan, victims)
+        return host <= self.bm.host.num_free and self._may_move(moves)
+
+    def _fits(self, plan: StepPlan, c: Request, victims: list[Request]) -> bool:
+        """Would c fit this step once `victims` are rotated out?"""
+        room, budget, host, moves = self._cost(plan, victims)
+        n = self._first_chunk(c, budget)
+        if c.status is Status.ROTARY:
+            moves += self.bm.num_blocks(c.rid)
+        elif n == 0 or (victims and c.num_computed + n < c.num_tokens):
+            return False  # a new request computes when admitted; a rotation buys its first token
+        return (self.bm.blocks_for(c.num_computed + n) <= room
+                and len(self.running) - len(victims) < self.cfg.max_num_seqs
+                and host <= self.bm.host.num_free and self._may_move(moves))
+
+    def _may_move(self, blocks: int) -> bool:
+        return self.policy.xfer_cap != "all" or blocks <= self._xfer
+
+    def _first_chunk(self, c: Request, budget: int) -> int:
+        """Tokens c computes in the step it is started: none for a swap-in that overlaps compute
+        (it joins at the next step, its copy under this step's forward)."""
+        if c.status is Status.ROTARY and self.overlap:
+            return 0
+        return min(c.num_tokens - c.num_computed, budget)
+
+    def _start(self, plan: StepPlan, c: Request, now: float) -> None:
+        n = self._first_chunk(c, self._budget)
+        if c.status is Status.ROTARY:
+            self._count_moves(self.bm.num_blocks(c.rid), proactive=False)
+            plan.swap_in += self.bm.swap_in(c.rid)
+            self.rotary.remove(c)
+            plan.rotated_in.append(c.rid)
+        else:
+            self.waiting.remove(c)
+            (plan.resumed if c.recomputes else plan.admitted).append(c.rid)
+        self.running.append(c)
+        c.status, c.t_admitted, c.tokens_since_admit = Status.RUNNING, now, 0
+        if n:
+            self._compute(plan, c, n)
+
+    # ------------------------------------------------------------ mechanism pieces
+    def _compute(self, plan: StepPlan, r: Request, n: int) -> None:
+        have = self.bm.seqs[r.rid].num_tokens if r.rid in self.bm.seqs else 0
+        assert have == r.num_computed, (r.rid, have, r.num_computed)
+        self.bm.append(r.rid, n)
+        plan.chunks[r] = n
+        self._budget -= n
+
+    def _unschedule(self, plan: StepPlan, r: Request) -> None:
+        """Take r back out of this step: its tokens return to the budget, its new blocks free."""
+        n = plan.chunks.pop(r, 0)
+        if n:
+            self.bm.shrink(r.rid, n)
+            self._budget += n
+
+    def _preempt(self, plan: StepPlan, r: Request, now: float) -> None:
+        """Reactive preemption: rotate r out if the policy swaps and r can go, else recompute."""
+        self._unschedule(plan, r)
+        e = self.bm.swap_out_effect(r.rid)
+        capped = self.policy.xfer_cap == "all"
+        if (self.policy.preempt == "swap" and e.host_need <= self.bm.host.num_free
+                and (not capped or (e.copies <= self._xfer
+                                    and self.bm.num_blocks(r.rid) <= self.cfg.xfer_budget))):
+            self.rotate_out(plan, r)  # capped: it must be able to come back in one step
+        else:  # no host room or transfer budget: recompute, never stall
+            self.bm.free(r.rid)
+            self.running.remove(r)
+            self.waiting.append(r)
+            r.status, r.num_computed, r.t_queued = Status.WAITING, 0, now
+            r.recomputes += 1
+            plan.preempted.append(r.rid)
+
+    def rotate_out(self, plan: StepPlan, r: Request, for_rid: str | None = None,
+                   proactive: bool = False) -> None:
+        """Park r's KV on host. Reactive (a running request needs the room) unless proactive;
+        for_rid names the candidate the room is for."""
+        self._unschedule(plan, r)
+        pairs = self.bm.swap_out(r.rid)
+        self._count_moves(len(pairs), proactive)
+        plan.swap_out += pairs
+        self.running.remove(r)
+        self.rotary.append(r)
+        r.status, r.t_queued = Status.ROTARY, plan.now
+        r.rotations += 1
+        plan.rotated_out.append(r.rid)
+        if proactive:
+            plan.proactive.append(r.rid)
+        if for_rid is not None:
+            plan.rotated_for[r.rid] = for_rid
+
+    def _count_moves(self, n: int, proactive: bool) -> None:
+        cap = self.policy.xfer_cap
+        if cap == "all" or (cap == "proactive" and proactive):
+            self._xfer -= n
+
+    def _hold_new(self, r: Request) -> bool:
+        """Admission control: hold new requests back while host KV is nearly full."""
+        return (self.policy.preempt == "swap" and r.num_computed == 0 and self.bm.host.capacity > 0
+                and self.bm.usage("host") > self.cfg.host_admit_limit)
+
+    def _partial_prefill(self, plan: StepPlan) -> bool:
+        """Some policies (the released one's vLLM V1) allow one unfinished prefill per step."""
+        return self.policy.one_partial_prefill and any(
+            r.num_computed + n < r.num_tokens for r, n in plan.chunks.items())
+
+    def fits_all(self, requests: list[Request]) -> bool:
+        """Could free device blocks hold what every one of these requests needs next?"""
+        need = 0
+        for r in requests:
+            if r.status is Status.RUNNING:
+                need += self.bm.new_blocks_needed(r.rid, r.num_tokens - r.num_computed)
+            else:
+                need += self.bm.blocks_for(r.num_tokens)
+        return need <= self.bm.num_free
+
+    def _write_back(self, plan: StepPlan) -> None:
+        """Step 3 (DuplexKV): copy full blocks to their host mirrors, so a later rotation out
+        copies only what is still dirty. Host room for rotations is kept in reserve."""
+        if not self.policy.duplex:
+            return
+        capped = self.policy.xfer_cap == "all"
+        reserve = int((1 - self.cfg.host_admit_limit) * self.bm.host.capacity) if capped else 0
+        for r in self.running:
+            limit = self._xfer if capped else math.inf
+            if limit <= 0:
+                return
+            # full blocks of what earlier steps computed (this step's tokens are not written yet)
+            pairs = self.bm.writeback(r.rid, r.num_computed, limit, reserve)
+            plan.swap_out += pairs
+            self._count_moves(len(pairs), proactive=False)
+
+    def _check(self, plan: StepPlan) -> None:
+        cfg = self.cfg
+        assert plan.num_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
+        assert len(self.running) <= cfg.max_num_seqs, "batch too large"
+        if self.policy.xfer_cap == "all":
+            assert plan.blocks_moved <= cfg.xfer_budget, "transfer budget exceeded"
+        for r, n in plan.chunks.items():
+            assert r.status is Status.RUNNING and n > 0 and r.num_computed + n <= r.num_tokens
+
+    def update(self, plan: StepPlan, sampled: dict[str, int], now: float) -> list[Request]:
+        """Apply a step's results: KV computed, one token sampled for each request that finished
+        its chunk at the end of its tokens. Returns the requests that finished."""
+        finished = []
+        stopped = []
+        for r, n in plan.chunks.items():
+            if r.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            r.num_computed += n
+            if r.num_computed < r.num_tokens:
+                continue  # a prefill chunk: no token yet
+            tok = sampled[r.rid]
+            r.output.append(tok)
+            r.token_times.append(now)
+            r.t_last_token = now
+            r.tokens_since_admit += 1
+            if tok in r.stop_ids:
+                self._finish(r, Status.FINISHED, "stop")
+                stopped.append(r.rid)
+            elif len(r.output) >= r.max_tokens:
+                self._finish(r, Status.FINISHED, "length")
+            else:
+                continue
+            finished.append(r)
+        self._log(event="step", step=self.num_steps - 1, now=plan.now, done=now,
+                  landed=plan.landed, **plan.decisions(), stopped=stopped)
+        return finished
+
+    def _log(self, **record) -> None:
+        if self.log:
+            self.log.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+            self.log = None

@@ -1,0 +1,419 @@
+"""SuperInfer engine: the step loop, and the vLLM-style LLM / SamplingParams API.
+
+    now -> scheduler.schedule(now) -> StepPlan
+        -> runner.execute(copies, chunks)       both directions in flight, then the forward
+        -> sample -> scheduler.update(tokens)   streamed tokens, finished requests
+
+A step is atomic with respect to errors: if it fails, the requests it ran are aborted with the
+error, their blocks freed, and the engine serves everything else.
+
+    python superinfer.py "Why is the sky blue?"        (the command line is cli.py)
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from tokenizers.decoders import DecodeStream
+
+from config import EngineConfig, check_float, check_int
+from loader import load_model
+from model import Seq
+from runner import Runner, pool_sizes
+from scheduler import Request, Scheduler, Status
+from tp import TPRunner
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0     # 0 (or < 1e-5) = greedy
+    top_p: float = 1.0
+    top_k: int = 0               # 0 or -1 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)          # stop strings (not in the output)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0.0, lo_open=False)
+        check_float("top_p", self.top_p, 0.0, 1.0)
+        check_int("top_k", self.top_k, -1)
+        check_int("seed", self.seed, -2**63, 2**64 - 1, allow_none=True)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s
+                                                               for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids[]", t, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    rotations: int = 0
+    recomputes: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None    # "stop", "length", "abort", "error"; None while running
+    metrics: RequestMetrics
+    error: Exception | None = None  # why the request was rejected or failed; others still ran
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token (step() returns these); text is its decoded piece, maybe empty."""
+    request_id: str
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class EngineError(RuntimeError):
+    """A step failed; its requests were aborted with the error and the engine serves on."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The engine's record of one request: the scheduler's Request and how to sample it."""
+    req: Request
+    params: SamplingParams
+    gen: torch.Generator
+    prompt_text: str | None
+    stream: DecodeStream | None
+    text: str = ""
+    error: Exception | None = None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           gens: list[torch.Generator]) -> list[int | None]:
+    """One token per row; None where the row's logits are not finite. Greedy rows take the
+    argmax; the others are filtered (top-k, then top-p) and sampled in float64 by inverse CDF
+    with one uniform draw from the request's own generator, so a seed gives the same tokens
+    whatever the batch."""
+    out: list[int | None] = logits.argmax(-1).tolist()
+    ok = torch.isfinite(logits).all(-1).tolist()
+    rows = [i for i, p in enumerate(params) if ok[i] and p.temperature >= GREEDY_EPS]
+    if rows:
+        vocab = logits.shape[-1]
+        x = logits[rows].double() / torch.tensor([params[i].temperature for i in rows],
+                                                 dtype=torch.float64)[:, None]
+        x, idx = x.sort(dim=-1, descending=True, stable=True)
+        k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows])
+        probs = x.masked_fill(torch.arange(vocab) >= k[:, None], -math.inf).softmax(-1)
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
+        cdf = probs.cumsum(-1)
+        u = torch.stack([torch.rand((), dtype=torch.float64, generator=gens[i]) for i in rows])
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
+        for i, tok in zip(rows, idx.gather(1, pick)[:, 0].tolist()):
+            out[i] = tok
+    return [t if ok[i] else None for i, t in enumerate(out)]
+
+
+class Engine:
+    """Owns the scheduler and a runner (model, KV pools, copier); step() runs one iteration."""
+
+    def __init__(self, cfg: EngineConfig | None = None, model=None, tokenizer=None,
+                 clock: Callable[[], float] | None = None, streams=None, **settings):
+        self.cfg = cfg = cfg or EngineConfig.from_kwargs(**settings)
+        if cfg.tensor_parallel_size > 1:
+            self.runner = TPRunner(cfg, model)
+            model, tokenizer = self.runner.model, tokenizer or self.runner.tokenizer
+        elif model is None:
+            model, tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
+        self.model, self.tokenizer = model, tokenizer
+        if cfg.swap_in_overlap is None:  # overlap a swap-in with compute where copies are async
+            overlap = next(model.parameters()).device.type == "cuda"
+            self.cfg = cfg = replace(cfg, swap_in_overlap=overlap)
+        self.clock = clock or time.perf_counter
+        dev_blocks, host_blocks = pool_sizes(model, cfg, next(model.parameters()).device)
+        self.sched = Scheduler.create(cfg, dev_blocks, host_blocks)
+        self.bm = self.sched.bm
+        if cfg.tensor_parallel_size > 1:
+            self.runner.start(dev_blocks, host_blocks, self.sched.policy.duplex)
+        else:
+            self.runner = Runner(model, cfg, dev_blocks, host_blocks, self.sched.policy.duplex,
+                                 streams)
+        self.max_model_len = model.cfg.max_position_embeddings
+        self.eos = set(model.cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos.add(tokenizer.eos_token_id)
+        self.seqs: dict[str, Sequence] = {}
+        self.rotations = self.recomputes = 0   # since start (requests are released on the way)
+        self.rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None
+                                                 else secrets.randbits(63))
+        self.ids = itertools.count()
+
+    # ------------------------------------------------------------ requests
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt (text or ids); ValueError for anything else."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            try:
+                return self.tokenizer(prompt).input_ids
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise ValueError(f"prompt: cannot tokenize this text ({e})") from None
+        if isinstance(prompt, (bytes, bytearray)):
+            raise ValueError("prompt: bytes are not a prompt; pass text (str) or token ids")
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        vocab = self.model.cfg.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    request_id: str | None = None, ttft_slo: float | None = None,
+                    tbt_slo: float | None = None) -> str:
+        """Queue one request. Everything is checked first: a ValueError names what is wrong and
+        leaves the engine as it was."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        check_int("priority", priority, -2**31, 2**31)
+        for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
+            if slo is not None:
+                check_float(name, slo)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        check_float("arrival_time", arrival, -math.inf, lo_open=False)
+        rid = str(next(self.ids)) if request_id is None else request_id
+        if not isinstance(rid, str) or rid in self.seqs:
+            raise ValueError(f"request_id must be a new string, got {rid!r}")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"request {rid}: {len(ids)} prompt + {params.max_tokens} output "
+                             f"tokens exceed the model's context of {self.max_model_len} tokens")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
+        req = Request(rid, len(ids), params.max_tokens, arrival, prompt=ids, priority=priority,
+                      ttft_slo=ttft_slo, tbt_slo=tbt_slo, stop_ids=frozenset(stop))
+        self.sched.add(req)  # raises (changing nothing) if it can never fit the KV pool
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(2**62, (), generator=self.rng))
+        stream = DecodeStream(skip_special_tokens=True) if self.tokenizer is not None else None
+        self.seqs[rid] = Sequence(req, params, torch.Generator().manual_seed(seed),
+                                  prompt if isinstance(prompt, str) else None, stream)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.sched.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_unfinished()
+
+    # ------------------------------------------------------------ one iteration
+    def step(self) -> list[TokenEvent]:
+        self.bm.copies_done(self.runner.completed_epoch())
+        plan = self.sched.schedule(self.clock())
+        seqs = [Seq(r.token_slice(r.num_computed, r.num_computed + n), r.num_computed,
+                    self.bm.block_table(r.rid), r.num_computed + n == r.num_tokens)
+                for r, n in plan.chunks.items()]
+        try:
+            logits = self.runner.execute(plan.epoch, plan.swap_out, plan.swap_in, seqs)
+            sampled = self._sample(plan, logits)
+        except BaseException as e:
+            self._fail(plan, e)
+        self.rotations += len(plan.rotated_out)
+        self.recomputes += len(plan.preempted)
+        finished = {r.rid for r in self.sched.update(plan, sampled, self.clock())}
+        return [self._emit(rid, tok, rid in finished) for rid, tok in sampled.items()]
+
+    def _sample(self, plan, logits) -> dict[str, int]:
+        wanting = [self.seqs[r.rid] for r, n in plan.chunks.items()
+                   if r.num_computed + n == r.num_tokens]
+        if not wanting:
+            return {}
+        toks = sample(logits, [s.params for s in wanting], [s.gen for s in wanting])
+        sampled = {}
+        for s, tok in zip(wanting, toks):
+            if tok is None:  # this request alone fails; the rest of the batch goes on
+                s.error = EngineError(f"request {s.req.rid}: the model produced non-finite logits")
+                self.sched.abort(s.req.rid, reason="error")
+            else:
+                sampled[s.req.rid] = tok
+        return sampled
+
+    def _emit(self, rid: str, tok: int, finished: bool) -> TokenEvent:
+        """Decode the token's text incrementally (multi-byte characters are never split) and
+        finish the request at a stop string, which is left out of the text."""
+        s = self.seqs[rid]
+        piece = ""
+        if s.stream is not None:
+            piece = s.stream.step(self.tokenizer.backend_tokenizer, tok) or ""
+        if s.params.stop:
+            text = s.text + piece
+            hits = [i for i in (text.find(x, max(0, len(s.text) - len(x))) for x in s.params.stop)
+                    if i >= 0]
+            if hits:
+                piece = text[:min(hits)][len(s.text):]
+                if finished:
+                    s.req.finish_reason = "stop"
+                else:
+                    self.sched.finish(rid, "stop")
+                finished = True
+        s.text += piece
+        return TokenEvent(rid, tok, piece, finished, s.req.finish_reason)
+
+    def _fail(self, plan, err: BaseException):
+        """A step raised: abort the requests it touched (their KV is unknown), let in-flight
+        copies land, and report. The engine keeps serving the others."""
+        touched = {r.rid for r in plan.chunks} | set(plan.rotated_in) | set(plan.rotated_out)
+        try:
+            self.runner.synchronize()
+        finally:
+            for rid in touched:
+                s = self.seqs.get(rid)
+                if s is not None and s.req.status not in (Status.FINISHED, Status.ABORTED):
+                    s.error = EngineError(f"request {rid}: the step running it failed: {err!r}")
+                    self.sched.abort(rid, reason="error")
+            self.bm.copies_done(self.runner.completed_epoch())
+        if not isinstance(err, Exception):
+            raise err  # KeyboardInterrupt, SystemExit: the caller's, after the cleanup
+        raise EngineError(f"step failed ({err!r}); its {len(touched)} requests were aborted, "
+                          "the engine serves on") from err
+
+    # ------------------------------------------------------------ results
+    def output(self, rid: str) -> RequestOutput:
+        s = self.seqs[rid]
+        r = s.req
+        m = RequestMetrics(r.arrival, r.token_times[0] if r.token_times else None,
+                           list(r.token_times),
+                           r.token_times[-1] if r.status is Status.FINISHED and r.token_times else None,
+                           r.rotations, r.recomputes)
+        return RequestOutput(rid, s.prompt_text, list(r.prompt or []), list(r.output), s.text,
+                             r.finish_reason, m, s.error)
+
+    def release(self, rid: str) -> None:
+        """Forget a finished request (long-running servers call this)."""
+        self.seqs.pop(rid, None)
+        self.sched.requests.pop(rid, None)
+
+    def stats(self) -> dict:
+        copier = self.runner.copier
+        return {"steps": self.sched.num_steps, "rotations": self.rotations,
+                "recomputes": self.recomputes,
+                "blocks_moved": copier.blocks_moved,
+                "bytes_moved": copier.blocks_moved * self.block_bytes, "copies": copier.copies,
+                "running": len(self.sched.running), "waiting": len(self.sched.waiting),
+                "rotary": len(self.sched.rotary), "device_usage": self.bm.usage("device"),
+                "host_usage": self.bm.usage("host")}
+
+    @property
+    def block_bytes(self) -> int:
+        pool = self.runner.pools.device
+        return pool[0].numel() * pool.element_size() * self.cfg.tensor_parallel_size
+
+    def close(self) -> None:
+        self.sched.close()
+        self.runner.close()
+
+
+class LLM:
+    """Offline inference, vLLM-style: LLM(model, **settings).generate(prompts, SamplingParams()).
+    Settings are EngineConfig's fields (config.py)."""
+
+    def __init__(self, model: str | None = None, **settings):
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **settings))
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """An LLM over an engine built elsewhere (a model already in memory, a test's clock)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts (text or token-id lists) to completion; outputs in input order. A prompt
+        that cannot run gets an output with .error set and the others still complete."""
+        if isinstance(prompts, (str, bytes)) or (isinstance(prompts, list) and prompts and all(
+                isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # one prompt: text, or a list of token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got "
+                             f"{type(prompts).__name__}")
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        e = self.engine
+        slots: list[str | RequestOutput] = []
+        for prompt, p in zip(prompts, params):
+            try:
+                slots.append(e.add_request(prompt, p))
+            except Exception as err:  # any per-prompt failure is that prompt's error
+                slots.append(RequestOutput("rejected", prompt if isinstance(prompt, str) else None,
+                                           [], [], "", "error", RequestMetrics(e.clock()), err))
+        ours = [s for s in slots if isinstance(s, str)]
+        try:
+            while any(e.seqs[rid].req.finish_reason is None for rid in ours):
+                try:
+                    e.step()
+                except EngineError:
+                    pass  # the failed step's requests carry the error; the rest go on
+        except BaseException:
+            for rid in ours:
+                e.abort(rid)
+            raise
+        outs = []
+        for s in slots:
+            outs.append(e.output(s) if isinstance(s, str) else s)
+            if isinstance(s, str):
+                e.release(s)
+        return outs
+
+    def chat_prompt(self, message: str) -> str | list[int]:
+        """The user message wrapped in the model's chat template, when it has one."""
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                                      add_generation_prompt=True, return_dict=False)
+        return message
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+if __name__ == "__main__":  # the command line lives in cli.py, above the engine
+    import cli
+    cli.main()

@@ -1,0 +1,142 @@
+"""Workloads the tools share: the Azure trace, gamma/Poisson arrivals, synthetic prompts.
+
+Pure Python (no torch): bench.py drives the real engine with these, sim.py the simulator.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import random
+import statistics
+from dataclasses import dataclass
+from datetime import datetime
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TRACE = os.path.join(HERE, "data", "azure_llm_2023_conv.csv")
+
+
+@dataclass(slots=True)
+class Item:
+    arrival: float      # seconds from the start of the run
+    prompt_len: int
+    output_len: int
+
+
+class TraceError(ValueError):
+    """A malformed trace file; the message names the file and line."""
+
+
+def read_trace(path: str) -> list[tuple[float, int, int]]:
+    """Azure LLM trace rows (TIMESTAMP,ContextTokens,GeneratedTokens) as (seconds, in, out)."""
+    if not os.path.isfile(path):
+        raise TraceError(f"{path}: no such trace file")
+    rows = []
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+        if header is None or [h.strip() for h in header[:3]] != want:
+            raise TraceError(f"{path}:1: expected header {','.join(want)}, got {header}")
+        for line, row in enumerate(reader, start=2):
+            if row:
+                rows.append(parse_row(path, line, row))
+    if not rows:
+        raise TraceError(f"{path}: no requests")
+    if any(b[0] < a[0] for a, b in zip(rows, rows[1:])):
+        raise TraceError(f"{path}: timestamps are not in order")
+    t0 = rows[0][0]
+    return [(t - t0, c, g) for t, c, g in rows]
+
+
+def parse_row(path: str, line: int, row: list[str]) -> tuple[float, int, int]:
+    try:
+        stamp, ctx, gen = row[0].strip(), int(row[1]), int(row[2])
+        fmt = "%Y-%m-%d %H:%M:%S.%f" if "." in stamp else "%Y-%m-%d %H:%M:%S"
+        t = datetime.strptime(stamp[:26], fmt)
+    except (ValueError, IndexError) as e:
+        raise TraceError(f"{path}:{line}: cannot parse {','.join(row)!r} ({e})") from None
+    if ctx < 1 or gen < 1:
+        raise TraceError(f"{path}:{line}: token counts must be >= 1, got {ctx},{gen}")
+    return t.timestamp(), ctx, gen
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How a trace's lengths shrink to a small machine: prompts and outputs scale separately,
+    so a short output keeps a decode phase; each is then capped."""
+    prompt: float = 1.0
+    output: float = 1.0
+    max_prompt: int = 10**9
+    max_output: int = 10**9
+    min_output: int = 1
+
+    def apply(self, ctx: int, gen: int) -> tuple[int, int]:
+        p = max(1, min(self.max_prompt, round(ctx * self.prompt)))
+        o = max(self.min_output, min(self.max_output, round(gen * self.output)))
+        return p, o
+
+
+def trace_workload(rows, num: int, offset: int = 0, scaling: Scaling = Scaling(),
+                   rate: float | None = None, time_scale: float = 1.0) -> list[Item]:
+    """A slice of a trace with lengths scaled; arrivals rescaled to `rate` if given (keeping the
+    trace's burstiness), else stretched by time_scale."""
+    part = rows[offset:offset + num]
+    if len(part) < num or num < 1:
+        raise ValueError(f"trace has {len(rows)} requests; cannot take {num} from offset {offset}")
+    t0 = part[0][0]
+    span = part[-1][0] - t0
+    scale = (len(part) - 1) / span / rate if rate and span > 0 else time_scale
+    return [Item((t - t0) * scale, *scaling.apply(c, g)) for t, c, g in part]
+
+
+def describe_scaling(rows, items: list[Item], offset: int, scaling: Scaling) -> str:
+    """One line saying what the scaling did to the slice's lengths."""
+    part = rows[offset:offset + len(items)]
+    def stats(xs):
+        return f"mean {statistics.mean(xs):.0f}, range {min(xs)}-{max(xs)}"
+    return (f"prompts x{scaling.prompt:g} (cap {scaling.max_prompt}): "
+            f"{stats([c for _, c, _ in part])} -> {stats([i.prompt_len for i in items])}; "
+            f"outputs x{scaling.output:g} (cap {scaling.max_output}, floor {scaling.min_output}): "
+            f"{stats([g for _, _, g in part])} -> {stats([i.output_len for i in items])}")
+
+
+def synthetic_workload(num: int, rate: float, burstiness: float, prompt_lens, output_lens,
+                       seed: int) -> list[Item]:
+    """Gamma inter-arrivals (burstiness 1.0 = Poisson) and lengths drawn from the given lists."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(num):
+        out.append(Item(t, rng.choice(prompt_lens), rng.choice(output_lens)))
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def poisson_arrivals(rate: float, duration: float, lengths: list[tuple[int, int]], seed: int,
+                     max_len: int | None = None, max_requests: int = 10**6) -> list[Item]:
+    """Poisson arrivals over `duration` seconds with (prompt, output) lengths drawn from
+    `lengths`, each request capped to max_len tokens in all."""
+    rng = random.Random(seed)
+    t, out = rng.expovariate(rate), []
+    while t < duration and len(out) < max_requests:
+        p, o = rng.choice(lengths)
+        if max_len:
+            p = min(p, max_len - 1)
+            o = max(1, min(o, max_len - p))
+        out.append(Item(t, p, o))
+        t += rng.expovariate(rate)
+    return out
+
+
+def with_rate(items: list[Item], rate: float) -> list[Item]:
+    """The same requests and arrival pattern, time-scaled to an average of `rate` requests/s."""
+    span = items[-1].arrival - items[0].arrival
+    scale = (len(items) - 1) / span / rate if span > 0 else 1.0
+    return [Item((i.arrival - items[0].arrival) * scale, i.prompt_len, i.output_len)
+            for i in items]
+
+
+def synthetic_prompts(items: list[Item], vocab: int, seed: int) -> list[list[int]]:
+    """Prompt token ids of exactly the requested lengths (ordinary tokens, no specials)."""
+    rng = random.Random(seed)
+    lo = min(1000, vocab // 4)
+    return [[rng.randrange(lo, vocab) for _ in range(it.prompt_len)] for it in items]

@@ -1,0 +1,180 @@
+"""The OpenAI-compatible server, on 127.0.0.1, driven by the official openai client."""
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from config import EngineConfig
+from server import create_app
+from superinfer import LLM, Engine, SamplingParams
+
+NAME = "smol"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(smollm):
+    """A live server over a small device pool (so that rotation happens) on a free port."""
+    model, tok = smollm
+    engine = Engine(EngineConfig(policy="rotasched", block_size=8, num_device_blocks=40,
+                                 num_host_blocks=512, max_num_seqs=8, max_num_batched_tokens=128,
+                                 ttft_slo=0.5, tbt_slo=0.05), model, tok)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    yield client, engine, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm):
+    """Greedy outputs of LLM.generate (same engine code, in process) to compare with."""
+    model, tok = smollm
+    llm = LLM.from_engine(Engine(EngineConfig(num_device_blocks=256), model, tok))
+    return llm
+
+
+PROMPTS = ["The capital of France is", "Count from one to five:", "Bees are"]
+
+
+def test_completions_equal_llm_generate(served, reference):
+    client, _, _ = served
+    want = reference.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))
+    for prompt, w in zip(PROMPTS, want):
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == w.text and got.choices[0].finish_reason == w.finish_reason
+        assert got.usage.completion_tokens == len(w.token_ids)
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == w.text
+        assert chunks[-1].usage.completion_tokens == len(w.token_ids)
+
+
+def test_chat_equals_llm_generate_with_the_template(served, reference):
+    client, _, _ = served
+    msg = "What is the capital of France?"
+    want = reference.generate([reference.chat_prompt(msg)],
+                              SamplingParams(max_tokens=20, temperature=0))[0]
+    got = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": msg}],
+                                         max_tokens=20, temperature=0)
+    assert got.choices[0].message.content == want.text and "Paris" in want.text
+    stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": msg}],
+                                            max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+
+
+def test_sixteen_concurrent_streams_rotate_and_stay_correct(served, reference):
+    client, engine, _ = served
+    prompts = [f"Tell me a fact about the number {i}." for i in range(16)]
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0,
+                                                                      ignore_eos=True))]
+    got = [None] * 16
+    rotations = engine.rotations
+
+    def one(i):
+        s = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=24, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        got[i] = "".join(c.choices[0].text for c in s if c.choices)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+    assert engine.rotations > rotations, "a pool this small should have rotated requests"
+
+
+def wait_idle(engine, timeout=30):
+    end = time.time() + timeout
+    while time.time() < end:
+        if not engine.has_unfinished() and not engine.seqs:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server did not go idle")
+
+
+def test_a_disconnected_stream_frees_its_blocks(served):
+    client, engine, base = served
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 200,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as resp:
+        for _ in range(3):
+            resp.readline()                    # a few events, then hang up
+    wait_idle(engine)
+    engine.runner.synchronize()
+    engine.bm.copies_done()
+    assert engine.bm.num_free == engine.bm.device.capacity
+    assert engine.bm.host.num_free == engine.bm.host.capacity
+
+
+@pytest.mark.parametrize("body,status,field", [
+    ({"model": "other", "prompt": "hi"}, 404, "model"),
+    ({"model": NAME, "prompt": ""}, 400, "prompt"),
+    ({"model": NAME, "prompt": [1] * 5000, "max_tokens": 4}, 400, "prompt"),
+    ({"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": NAME, "prompt": "hi", "top_p": 7}, 400, "top_p"),
+    ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
+    ({"model": NAME}, 422, "prompt"),
+])
+def test_bad_requests_get_openai_errors_while_a_stream_goes_on(served, body, status, field):
+    client, _, base = served
+    result = {}
+
+    def good():
+        s = client.completions.create(model=NAME, prompt="Hello there", max_tokens=16,
+                                      temperature=0, stream=True)
+        result["text"] = "".join(c.choices[0].text for c in s if c.choices)
+    t = threading.Thread(target=good)
+    t.start()
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == status and field in (err["param"] or "") + err["message"]
+    t.join(60)
+    assert result.get("text")
+
+
+def test_malformed_json_is_a_clear_error(served):
+    _, _, base = served
+    req = urllib.request.Request(base + "/v1/completions", b"{not json",
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 422 and "error" in json.loads(e.value.read())
+
+
+def test_models_health_and_metrics(served):
+    client, _, base = served
+    assert [m.id for m in client.models.list()] == [NAME]
+    assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}
+    text = urllib.request.urlopen(base + "/metrics").read().decode()
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for want in ("superinfer_requests_running", "superinfer_requests_waiting",
+                 "superinfer_requests_rotary", "superinfer_kv_usage", "superinfer_rotations",
+                 "superinfer_kv_bytes_moved", "superinfer_time_to_first_token_seconds",
+                 "superinfer_inter_token_seconds"):
+        assert want in names, want
