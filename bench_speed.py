@@ -1,8 +1,9 @@
 """Speed next to HF transformers on the same weights, and the KV copy paths.
 
-    python bench_speed.py              model prefill/decode tokens/s at batch 1/32/64, the engine on
-                                       32 x 64 greedy tokens vs HF generate_batch and generate,
-                                       achieved GFLOP/s against this machine's measured peak
+    python bench_speed.py              decode tokens/s at batch 1/32/64 (ours fp32 and bf16, HF), the
+                                       engine on 32 x 64 greedy tokens vs HF generate_batch and
+                                       generate, GFLOP/s and GB/s against this machine's measured
+                                       peaks, and where a step's time goes
     python bench_speed.py --copies     KV copies: per-layer per-block (vLLM v0) vs merged
                                        block-first vs both directions at once, GB/s
 """
@@ -53,99 +54,160 @@ def hf_manager(hf, max_new_tokens: int, max_num_seqs: int, max_tokens: int,
 
 # ---------------------------------------------------------------- the model and the engine
 
-def matmul_peak() -> float:
+def machine_limits() -> tuple[float, float]:
+    """(fp32 matmul FLOP/s of a 1024^3 GEMM, bytes/s of a 256 MiB copy): the peaks to judge by."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    return max(2 * 1024**3 / best_time(lambda: a @ b, 10) for _ in range(3))
+    x = torch.randn(64 * 2**20)
+    y = torch.empty_like(x)
+    flops = max(2 * 1024**3 / best_time(lambda: a @ b, 10) for _ in range(3))
+    return flops, 2 * x.numel() * 4 / best_time(lambda: y.copy_(x), 3)  # read + write
 
 
-def model_speed(ours, hf, cfg, prompt_len: int, batches=(1, 32)) -> dict:
-    """Prefill and decode tokens/s of the bare models (ours with a paged pool, HF with its cache)."""
+def decode_speed(model, batch: int, ctx: int = 128, steps: int = 8) -> float:
+    """Tokens/s of decode steps at `batch` sequences of `ctx` tokens of context (ours)."""
+    bs = 16
+    nblk = -(-(ctx + steps) // bs)
+    pool = torch.zeros(batch * nblk, *model.kv_block_shape(bs), dtype=model.embed.weight.dtype)
+    tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)]
+    model(make_batch([Seq([7] * ctx, 0, t, False) for t in tables], bs), pool)  # the context
+    dec = [make_batch([Seq([5], ctx + s, t, True) for t in tables], bs) for s in range(steps)]
+    return batch * steps / best_time(lambda: [model(d, pool) for d in dec], 2)
+
+
+def hf_decode_speed(hf, batch: int, ctx: int = 128, steps: int = 8) -> float:
     from transformers import DynamicCache
-    res, steps, bs = {}, 16, 16
-    for B in batches:
-        ids = torch.randint(1000, cfg.vocab_size, (B, prompt_len))
-        nblk = -(-(prompt_len + steps) // bs)
-        pool = torch.zeros(B * nblk, *ours.kv_block_shape(bs))
-        tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(B)]
-        pre = make_batch([Seq(ids[i].tolist(), 0, tables[i], True) for i in range(B)], bs)
-        t_pre = best_time(lambda: ours(pre, pool), 1)
-        dec = [make_batch([Seq([5], prompt_len + s, tables[i], True) for i in range(B)], bs)
-               for s in range(steps)]
-        t_dec = best_time(lambda: [ours(d, pool) for d in dec], 1) / steps
-        with torch.no_grad():
-            t_hpre = best_time(lambda: hf(ids, past_key_values=DynamicCache(), use_cache=True), 1)
+    ids = torch.full((batch, ctx), 7)
 
-            def hf_decode():
-                cache = DynamicCache()
-                nxt = hf(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                t = time.perf_counter()
-                for _ in range(steps):
-                    nxt = hf(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                return (time.perf_counter() - t) / steps
-            t_hdec = min(hf_decode() for _ in range(2))
-        res[f"prefill_b{B}"] = {"ours": B * prompt_len / t_pre, "hf": B * prompt_len / t_hpre}
-        res[f"decode_b{B}"] = {"ours": B / t_dec, "hf": B / t_hdec}
-    return res
+    def run():
+        cache = DynamicCache()
+        nxt = hf(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        t = time.perf_counter()
+        for _ in range(steps):
+            nxt = hf(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - t) / steps
+    with torch.no_grad():
+        return batch / min(run() for _ in range(2))
 
 
-def engine_speed(ours, hf, cfg, num_requests: int, out_len: int) -> dict:
-    """The whole engine on an offline workload vs HF's continuous batching (generate_batch)."""
+def offline_prompts(cfg, n: int) -> list[list[int]]:
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, cfg.vocab_size) for _ in range(rng.randint(32, 128))]
-               for _ in range(num_requests)]
-    eng = Engine(EngineConfig(policy="fcfs", max_num_seqs=num_requests), ours, None)
+    return [[rng.randrange(1000, cfg.vocab_size) for _ in range(rng.randint(32, 128))]
+            for _ in range(n)]
+
+
+def engine_run(model, prompts, out_len: int, timers: dict | None = None) -> float:
+    """Tokens/s of our engine generating out_len greedy tokens for every prompt, all at once."""
+    eng = Engine(EngineConfig(policy="fcfs", max_num_seqs=len(prompts),
+                              max_num_batched_tokens=512), model, None)
+    if timers is not None:
+        for name, obj, attr in (("schedule", eng.sched, "schedule"), ("forward", eng.runner, "execute"),
+                                ("sampling", eng, "_sample")):
+            setattr(obj, attr, timed_call(getattr(obj, attr), timers, name))
     t = time.perf_counter()
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
-    decode_steps = []
     while eng.has_unfinished():
-        s = time.perf_counter()
-        n = len(eng.step())
-        if n == num_requests and not eng.sched.waiting:
-            decode_steps.append(time.perf_counter() - s)
-    t_ours = time.perf_counter() - t
-    mgr = hf_manager(hf, out_len, max_num_seqs=num_requests, max_tokens=512)
+        eng.step()
+    if timers is not None:
+        timers["steps"] = eng.sched.num_steps
+    return len(prompts) * out_len / (time.perf_counter() - t)
+
+
+def timed_call(fn, timers: dict, name: str):
+    def wrapped(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            timers[name] = timers.get(name, 0.0) + time.perf_counter() - t
+    return wrapped
+
+
+OP_KINDS = {"aten::mm": "GEMMs", "aten::addmm": "GEMMs", "aten::bmm": "GEMMs",
+            "aten::index_select": "KV gather", "aten::index": "KV gather",
+            "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+            "aten::_index_put_impl_": "KV write"}
+
+
+def step_split(model, prompts, out_len: int) -> dict:
+    """Milliseconds per engine step: scheduling, sampling, and the forward split by operator
+    (GEMMs, KV gather, attention, KV write, other ops); 'python' is the rest of the step."""
+    timers: dict = {}
+    t0 = time.perf_counter()
+    engine_run(model, prompts, out_len, timers)
+    total = time.perf_counter() - t0
+    with torch.profiler.profile() as prof:   # op shares of the forward, from a second run
+        engine_run(model, prompts, max(2, out_len // 4))
+    ops: dict = {}
+    for e in prof.key_averages():
+        kind = OP_KINDS.get(e.key, "other ops")
+        ops[kind] = ops.get(kind, 0.0) + e.self_cpu_time_total
+    op_total = sum(ops.values())
+    steps = timers["steps"]
+    split = {k: 1e3 * timers["forward"] * v / op_total / steps for k, v in ops.items()}
+    split |= {"schedule": 1e3 * timers["schedule"] / steps,
+              "sampling": 1e3 * timers["sampling"] / steps}
+    split["python"] = 1e3 * total / steps - sum(split.values())
+    return split
+
+
+def hf_generate_batch(hf, prompts, out_len: int, num_seqs: int) -> float:
+    """Tokens/s of HF transformers' continuous batching (generate_batch) on the same work."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    gc = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cbc = ContinuousBatchingConfig(max_batch_tokens=512, max_requests_per_batch=num_seqs)
+    hf.generate_batch(prompts[:2], generation_config=gc, continuous_batching_config=cbc)
     t = time.perf_counter()
-    for i, p in enumerate(prompts):
-        mgr.add_request(p, request_id=str(i), max_new_tokens=out_len)
-    done = {}
-    while len(done) < num_requests:
-        r = mgr.get_result(timeout=1.0)
-        if r is not None:
-            done[r.request_id] = r
-    t_hf = time.perf_counter() - t
-    mgr.stop(block=True)
-    hf.destroy_cached_continuous_batching_manager()
-    total = num_requests * out_len
-    hf_tokens = sum(len(r.generated_tokens) for r in done.values())
-    step = sum(decode_steps) / len(decode_steps) if decode_steps else float("nan")
-    return {"ours_tok_s": total / t_ours, "hf_tok_s": hf_tokens / t_hf,
-            "decode_step_ms": 1e3 * step}
+    out = hf.generate_batch(prompts, generation_config=gc, continuous_batching_config=cbc,
+                            warmup=False)
+    return sum(len(o.generated_tokens) for o in out.values()) / (time.perf_counter() - t)
 
 
-def run_speed(prompt_len: int = 128, num_requests: int = 32, out_len: int = 64) -> dict:
+def hf_generate(hf, prompts, out_len: int) -> float:
+    """Tokens/s of plain HF generate on the prompts as one left-padded batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                    do_sample=False, pad_token_id=0)
+    return len(prompts) * out_len / (time.perf_counter() - t)
+
+
+def run_speed(num_requests: int = 32, out_len: int = 64, batches=(1, 32, 64)) -> dict:
     cfg, tensors = read_gguf(embedded_gguf_path())
     hf = hf_reference(cfg, {k: v.clone() for k, v in tensors.items()})
-    ours = build_model(cfg, tensors, "cpu", torch.float32, "embedded")
-    peak = matmul_peak()
+    ours = build_model(cfg, {k: v.clone() for k, v in tensors.items()}, "cpu", torch.float32, "embedded")
+    ours16 = build_model(cfg, tensors, "cpu", torch.bfloat16, "embedded")
+    peak, bw = machine_limits()
     flop_tok = 2 * (sum(p.numel() for p in ours.layers.parameters()) + cfg.vocab_size * cfg.hidden_size)
-    print(f"machine: {torch.get_num_threads()} threads, fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; "
-          f"model {flop_tok / 1e9:.3f} GFLOP/token -> decode roofline {peak / flop_tok:.0f} tok/s")
-    res = {"peak_flops": peak, "flop_per_token": flop_tok}
-    res |= model_speed(ours, hf, cfg, prompt_len)
-    print(f"\n{'':<10}{'batch':>6}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}   (prompt {prompt_len})")
-    for key, r in res.items():
-        if isinstance(r, dict):
-            name, b = key.split("_b")
-            print(f"{name:<10}{b:>6}{r['ours']:12.1f}{r['hf']:10.1f}{r['ours'] / r['hf']:6.2f}x")
-    e = engine_speed(ours, hf, cfg, num_requests, out_len)
+    weight_bytes = sum(p.numel() * 4 for p in ours.parameters())
+    print(f"machine: {torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, "
+          f"memory {bw / 1e9:.1f} GB/s (copy, read + write); model {flop_tok / 1e9:.3f} GFLOP and "
+          f"{weight_bytes / 2**20:.0f} MiB of fp32 weights a decode step")
+    res = {"peak_flops": peak, "memory_bw": bw, "flop_per_token": flop_tok}
+    print(f"\n{'decode':<8}{'batch':>6}{'ours fp32':>11}{'HF fp32':>9}{'ours bf16':>11}"
+          f"{'GFLOP/s':>9}{'of peak':>8}{'weight GB/s':>12}")
+    for B in batches:
+        o, h, o16 = decode_speed(ours, B), hf_decode_speed(hf, B), decode_speed(ours16, B)
+        res[f"decode_b{B}"] = {"ours": o, "hf": h, "ours_bf16": o16}
+        print(f"{'':<8}{B:>6}{o:11.1f}{h:9.1f}{o16:11.1f}{o * flop_tok / 1e9:9.0f}"
+              f"{o * flop_tok / peak:8.0%}{o / B * weight_bytes / 1e9:12.1f}")
+    prompts = offline_prompts(cfg, num_requests)
+    e = {"ours": engine_run(ours, prompts, out_len), "ours_bf16": engine_run(ours16, prompts, out_len),
+         "hf_generate_batch": hf_generate_batch(hf, prompts, out_len, num_requests),
+         "hf_generate": hf_generate(hf, prompts, out_len)}
     res["engine"] = e
-    dec = num_requests / (e["decode_step_ms"] / 1e3)
-    print(f"\nengine, {num_requests} requests x {out_len} greedy tokens (prompts 32-128):")
-    print(f"  superinfer {e['ours_tok_s']:7.1f} tok/s   HF generate_batch {e['hf_tok_s']:7.1f} tok/s"
-          f"   ratio {e['ours_tok_s'] / e['hf_tok_s']:.2f}x")
-    print(f"  decode steps at batch {num_requests}: {dec:.0f} tok/s = {dec * flop_tok / 1e9:.0f} "
-          f"GFLOP/s, {dec * flop_tok / peak:.0%} of the matmul peak")
+    print(f"\nengine: {num_requests} prompts of 32-128 tokens x {out_len} greedy tokens, tokens/s:")
+    for k, label in (("ours", "superinfer fp32"), ("ours_bf16", "superinfer bf16"),
+                     ("hf_generate_batch", "HF generate_batch"), ("hf_generate", "HF generate")):
+        print(f"  {label:<20}{e[k]:8.1f}   {e[k] / e['hf_generate_batch']:5.2f}x generate_batch")
+    split = step_split(ours, prompts, out_len)
+    res["step_ms"] = split
+    print("  a step of superinfer fp32, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
     return res
 
 
@@ -196,19 +258,18 @@ def print_copies(r: dict) -> None:
 def main(argv=None) -> None:
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", action="store_true", help="the KV copy benchmark instead")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt length for the model benchmark")
     ap.add_argument("--requests", type=int, default=32, help="requests in the engine benchmark")
     ap.add_argument("--output", type=int, default=64, help="tokens each generates")
     ap.add_argument("--mib", type=int, default=256, help="copies: KV bytes moved each way (MiB)")
     ap.add_argument("--device", default=None, help="copies: cpu or cuda")
     args = ap.parse_args(argv)
-    for name in ("prompt", "requests", "output", "mib"):
+    for name in ("requests", "output", "mib"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
     if args.copies:
         print_copies(bench_copies(args.mib, device=args.device))
     else:
-        run_speed(args.prompt, args.requests, args.output)
+        run_speed(args.requests, args.output)
 
 
 if __name__ == "__main__":

@@ -188,19 +188,21 @@ class Attention(nn.Module):
 
     def decode(self, q: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
         """All single-token queries in one call. GQA without repeating K/V: the H / KVH query heads
-        that share a KV head are that head's queries ([D, KVH, G, Dh] against [D, KVH, S, Dh]),
-        one batched matmul; SDPA's enable_gqa would expand K/V to H heads first."""
+        that share a KV head are that head's queries ([D, KVH, G, Dh] against K/V [D, KVH, S, Dh]
+        gathered from the blocks), one batched matmul; SDPA's enable_gqa would expand K/V to H
+        heads first."""
         D = q.shape[0]
-        k = kv_cache[:, 0][b.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [D, KVH, S, Dh]
-        v = kv_cache[:, 1][b.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        blocks = b.decode_block_tables.flatten()  # index_select copies whole blocks: ~2x faster
+        k = kv_cache[:, 0].index_select(0, blocks).view(D, -1, self.kvh, self.d).transpose(1, 2)
+        v = kv_cache[:, 1].index_select(0, blocks).view(D, -1, self.kvh, self.d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.view(D, self.kvh, self.h // self.kvh, self.d), k, v,
                                            attn_mask=b.decode_mask)
         return o.reshape(D, self.h, self.d)
 
     def prefill(self, q: Tensor, kv_cache: Tensor, p: Prefill) -> Tensor:
         """One chunk: [H, n, Dh] queries over its [KVH, context, Dh] keys, causal within."""
-        k = kv_cache[:, 0][p.block_table].flatten(0, 1)[:p.context].transpose(0, 1)
-        v = kv_cache[:, 1][p.block_table].flatten(0, 1)[:p.context].transpose(0, 1)
+        k = kv_cache[:, 0].index_select(0, p.block_table).flatten(0, 1)[:p.context].transpose(0, 1)
+        v = kv_cache[:, 1].index_select(0, p.block_table).flatten(0, 1)[:p.context].transpose(0, 1)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=p.mask,
                                            is_causal=p.mask is None, enable_gqa=True)
         return o.transpose(0, 1)
