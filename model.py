@@ -260,5 +260,6 @@ class Llama(nn.Module):
         return self.lm_head(x).float()
 
     def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
+        """One KV block: every layer's K and V for block_size tokens (this rank's KV heads)."""
         c = self.cfg
-        return (c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+        return (c.num_layers, 2, block_size, self.layers[0].attn.kvh, c.head_dim)

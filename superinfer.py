@@ -164,7 +164,7 @@ class Engine:
         self.sched = Scheduler.create(cfg, dev_blocks, host_blocks)
         self.bm = self.sched.bm
         if cfg.tensor_parallel_size > 1:
-            self.runner.start(dev_blocks, host_blocks, self.sched.policy.duplex)
+            self.runner.start(cfg, dev_blocks, host_blocks, self.sched.policy.duplex)
         else:
             self.runner = Runner(model, cfg, dev_blocks, host_blocks, self.sched.policy.duplex,
                                  streams)
