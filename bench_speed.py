@@ -100,9 +100,11 @@ def engine_run(model, prompts, out_len: int, timers: dict | None = None) -> floa
     eng = Engine(EngineConfig(policy="fcfs", max_num_seqs=len(prompts),
                               max_num_batched_tokens=512), model, None)
     if timers is not None:
+        cuda = next(model.parameters()).is_cuda
+        sync = torch.cuda.synchronize if cuda else None
         for name, obj, attr in (("schedule", eng.sched, "schedule"), ("forward", eng.runner, "execute"),
                                 ("sampling", eng, "_sample")):
-            setattr(obj, attr, timed_call(getattr(obj, attr), timers, name))
+            setattr(obj, attr, timed_call(getattr(obj, attr), timers, name, sync))
     t = time.perf_counter()
     for p in prompts:
         eng.add_request(p, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
@@ -113,12 +115,15 @@ def engine_run(model, prompts, out_len: int, timers: dict | None = None) -> floa
     return len(prompts) * out_len / (time.perf_counter() - t)
 
 
-def timed_call(fn, timers: dict, name: str):
+def timed_call(fn, timers: dict, name: str, sync=None):
+    """fn, adding its wall time to timers[name] (after sync(), so a GPU's work counts)."""
     def wrapped(*args, **kw):
         t = time.perf_counter()
         try:
             return fn(*args, **kw)
         finally:
+            if sync:
+                sync()
             timers[name] = timers.get(name, 0.0) + time.perf_counter() - t
     return wrapped
 
@@ -139,9 +144,10 @@ def step_split(model, prompts, out_len: int) -> dict:
     with torch.profiler.profile() as prof:   # op shares of the forward, from a second run
         engine_run(model, prompts, max(2, out_len // 4))
     ops: dict = {}
-    for e in prof.key_averages():
+    cuda = next(model.parameters()).is_cuda
+    for e in prof.key_averages():   # on a GPU, the operators' device time
         kind = OP_KINDS.get(e.key, "other ops")
-        ops[kind] = ops.get(kind, 0.0) + e.self_cpu_time_total
+        ops[kind] = ops.get(kind, 0.0) + (e.self_device_time_total if cuda else e.self_cpu_time_total)
     op_total = sum(ops.values())
     steps = timers["steps"]
     split = {k: 1e3 * timers["forward"] * v / op_total / steps for k, v in ops.items()}

@@ -237,3 +237,25 @@ class Rotations(RuleBasedStateMachine):
 
 TestRotations = Rotations.TestCase
 TestRotations.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_a_delayed_out_stream_cannot_corrupt_a_swap_in(overlap):
+    """Real streams, with the out stream held back by a long kernel: a swap-in of the same
+    request two epochs later (an idle epoch between) must still read what the swap-out wrote."""
+    shape = (4, 2, 16, 2, 64)
+    bm = BlockManager(8, 8, 16)
+    pools = KVPools(8, 8, shape, torch.float32, "cuda")
+    copier = DuplexCopier(pools, overlap=overlap)
+    bm.append("a", 64)
+    pools.device[bm.block_table("a")] = torch.randn(4, *shape, device="cuda")
+    want = pools.device[bm.block_table("a")].clone()
+    with torch.cuda.stream(copier.streams.streams[OUT]):
+        torch.cuda._sleep(500_000_000)  # ~0.3 s of spinning before the swap-out can run
+    step(bm, copier, out=bm.swap_out("a"))
+    step(bm, copier)
+    bm.copies_done(copier.completed_epoch())   # a's old blocks may still be fenced: others serve
+    step(bm, copier, into=bm.swap_in("a"))
+    torch.cuda.synchronize()
+    assert torch.equal(pools.device[bm.block_table("a")], want)
