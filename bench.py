@@ -1,9 +1,9 @@
 """Side-by-side SLO benchmark: the same arrivals through each policy, served online on a wall clock.
 
     python bench.py                     embedded model, an Azure trace slice, fcfs vs rotasched
-    python bench.py --policies fcfs,fcfs-swap,rotasched,rotasched-released,hf --json r.json --plot r.png
+    python bench.py --policies fcfs,fcfs-swap,rotasched,rotasched-released,hf --plot r.png
     python bench.py --backend openai --base-url http://127.0.0.1:8000 --policies openai,rotasched
-                                        a server (ours, vLLM, ...) and the in-process engine, one table
+                                        a server (ours, vLLM, ...) and the engine here, one table
     python bench.py --speed             tokens/s next to HF transformers (bench_speed.py)
 
 The run calibrates itself (unloaded latency gives the SLOs, a bulk run the saturation rate) and
@@ -26,7 +26,7 @@ import torch
 import bench_speed
 import client
 import sim
-from config import Parser, add_engine_flags, engine_config
+from flags import Parser, add_engine_flags, engine_config
 from loader import load_model, resolve_device
 from metrics import plot, print_table, progress, summarize, verdict
 from model import ModelLoadError
@@ -96,7 +96,8 @@ def serve_hf(hf, cfg, items: list[Item], prompts: list[list[int]], label: str,
             while (r := mgr.get_result(timeout=0)) is not None:
                 results[r.request_id] = r
                 bar.update(1)
-        while len(results) < len(items) and mgr.is_running() and time.perf_counter() < t0 + deadline:
+        while (len(results) < len(items) and mgr.is_running()
+               and time.perf_counter() - t0 < deadline):
             r = mgr.get_result(timeout=1.0)
             if r is not None:
                 results[r.request_id] = r
@@ -143,9 +144,9 @@ def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
     ttft0, tbt0 = times[0] - recs[0][0], (times[-1] - times[0]) / (len(times) - 1)
     ttft_slo = args.ttft_slo or round(args.ttft_slo_factor * ttft0, 2)
     tbt_slo = args.tbt_slo or round(args.tbt_slo_factor * tbt0, 3)
-    print(f"unloaded: TTFT {ttft0:.3f} s (prompt {med.prompt_len}), TBT {tbt0 * 1e3:.1f} ms -> SLOs "
-          f"TTFT {ttft_slo:.2f} s, TBT {tbt_slo * 1e3:.0f} ms")
-    if args.model is None and args.backend_first != "openai" and tbt0 > 2.5 * QUIET_TBT:
+    print(f"unloaded: TTFT {ttft0:.3f} s (prompt {med.prompt_len}), TBT {tbt0 * 1e3:.1f} ms "
+          f"-> SLOs TTFT {ttft_slo:.2f} s, TBT {tbt_slo * 1e3:.0f} ms")
+    if args.model is None and "openai" not in args.policies and tbt0 > 2.5 * QUIET_TBT:
         print(f"warning: decoding is {tbt0 / QUIET_TBT:.1f}x slower than on a quiet 2-core machine "
               "(is something else running?); the workload is shrunk to keep the run short, and "
               "results will be noisier")
@@ -160,65 +161,67 @@ def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
 # ---------------------------------------------------------------- the benchmark
 
 def runner(pol: str, args, cfg, model, tok, hf, runs: int):
-    """run(items, prompts, label, deadline) -> (records, stats) for one row of the table."""
-    if pol == "openai":
-        return lambda *a: client.serve(args.base_url, args.served_model, *a)
-    if pol == "hf":
-        return lambda *a: serve_hf(hf, cfg, *a)
-
-    def run(items, prompts, label, deadline, rate=None):
+    """run(items, prompts, label, deadline, rate) -> (records, stats): one row of the table."""
+    def engine(items, prompts, label, deadline, rate=None):
         log = log_name(args.log_path, pol, rate, runs) if rate is not None else None
-        engine = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
+        e = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
         try:
-            return serve(engine, items, prompts, label, deadline)
+            return serve(e, items, prompts, label, deadline)
         finally:
-            engine.close()
-    return run
+            e.close()
+    if pol == "openai":
+        return lambda *a, rate=None: client.serve(args.base_url, args.served_model, *a)
+    if pol == "hf":
+        return lambda *a, rate=None: serve_hf(hf, cfg, *a)
+    return engine
 
 
-def bench_config(ap, args, **override):
-    """The engine settings of the runs (B_xfer is set from the pool later when not given)."""
-    calibrated = {"ttft_slo": args.ttft_slo or 5.0, "tbt_slo": args.tbt_slo or 0.1}  # measured later
-    return engine_config(ap, args, **calibrated | override)
-
-
-def run_serving(args, ap) -> list[dict]:
-    cfg = bench_config(ap, args, policy="fcfs")
-    local = [p for p in args.policies if p != "openai"]
-    model = tok = None
-    if local:
-        model, tok = load_model(cfg.model, cfg.device, cfg.dtype)
-    torch.manual_seed(args.seed)
-    vocab = model.cfg.vocab_size if model else args.vocab_size
-    items, prompts, text = build_workload(args, vocab)
+def size_pool(cfg, items, args, verbose: bool) -> None:
+    """A device pool of --pool-seqs mean requests (at least the largest one), unless given."""
     mean_len = statistics.mean(i.prompt_len + i.output_len for i in items)
     biggest = max(-(-(i.prompt_len + i.output_len) // cfg.block_size) for i in items)
     cfg.num_device_blocks = cfg.num_device_blocks or max(
         biggest, round(args.pool_seqs * mean_len / cfg.block_size))
     if args.swap_watermark is None:  # the released policy's watermark, scaled to the pool
         cfg.swap_watermark = max(4, cfg.num_device_blocks // 4)
-    print(f"workload: {text}")
-    if local:
+    if verbose:
         print(f"KV pool: {cfg.num_device_blocks} device blocks of {cfg.block_size} tokens (about "
               f"{cfg.num_device_blocks * cfg.block_size / mean_len:.1f} mean requests), "
               f"{cfg.num_host_blocks} host blocks; <= {cfg.max_num_seqs} seqs and "
-              f"{cfg.max_num_batched_tokens} tokens a step; B_xfer {cfg.xfer_budget} blocks, released "
-              f"watermark {cfg.swap_watermark}")
+              f"{cfg.max_num_batched_tokens} tokens a step; B_xfer {cfg.xfer_budget} blocks, "
+              f"released watermark {cfg.swap_watermark}")
+
+
+def choose_rates(args, items, sat: float) -> tuple[list[float], int]:
+    """The rates to run, and how many requests make about --run-seconds of work at each."""
+    if args.rates:
+        return args.rates, len(items)
+    if args.time_scale is not None and args.trace != "none":  # the trace's own timing
+        return [(len(items) - 1) / (items[-1].arrival - items[0].arrival)], len(items)
+    n = max(12, min(len(items), round(args.run_seconds * sat)))
+    return [round(sat * f, 2) for f in args.rate_factors], n
+
+
+def bench_config(ap, args, **override):
+    """The engine settings of the runs (the SLOs are measured later unless given)."""
+    calibrated = {"ttft_slo": args.ttft_slo or 5.0, "tbt_slo": args.tbt_slo or 0.1}  # for now
+    return engine_config(ap, args, **calibrated | override)
+
+
+def run_serving(args, ap) -> list[dict]:
+    cfg = bench_config(ap, args, policy="fcfs")
+    local = [p for p in args.policies if p != "openai"]
+    model, tok = load_model(cfg.model, cfg.device, cfg.dtype) if local else (None, None)
+    torch.manual_seed(args.seed)
+    items, prompts, text = build_workload(args, model.cfg.vocab_size if model else args.vocab_size)
+    print(f"workload: {text}")
+    size_pool(cfg, items, args, verbose=bool(local))
     runs = len(args.policies) * max(1, len(args.rates or args.rate_factors))
     hf = bench_speed.hf_model(cfg.model) if "hf" in args.policies else None
-    first = args.policies[0] if args.policies[0] != "hf" else (local[0] if local else "openai")
-    args.backend_first = first
-    ttft_slo, tbt_slo, sat = calibrate(runner(first if first != "hf" else "fcfs", args, cfg,
-                                              model, tok, hf, runs), items, prompts, cfg, args)
+    calibrator = runner("fcfs" if local else "openai", args, cfg, model, tok, hf, runs)
+    ttft_slo, tbt_slo, sat = calibrate(calibrator, items, prompts, cfg, args)
     cfg = replace(cfg, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
-    if args.rates:
-        rates = args.rates
-    elif args.time_scale is not None and args.trace != "none":  # the trace's own timing
-        rates = [(len(items) - 1) / (items[-1].arrival - items[0].arrival)]
-    else:
-        rates = [round(sat * f, 2) for f in args.rate_factors]
-    n = len(items) if args.rates or args.time_scale else max(
-        12, min(len(items), round(args.run_seconds * sat)))   # about run_seconds of work
+    rates, n = choose_rates(args, items, sat)
     print(f"saturation {sat:.2f} req/s -> rates {rates}; {n} requests a run; {runs} runs of about "
           f"{n / max(sat, 1e-3):.0f} s each (each cut off at {2 * args.run_seconds:.0f} s)")
     results = []
@@ -226,10 +229,8 @@ def run_serving(args, ap) -> list[dict]:
         timed = with_rate(items[:n], rate)
         for pol in args.policies:
             run = runner(pol, args, cfg, model, tok, hf, runs)
-            label = f"{pol} @ {rate:.2f} req/s"
-            cap = 2 * args.run_seconds
-            recs, stats = (run(timed, prompts, label, cap, rate) if pol not in ("hf", "openai")
-                           else run(timed, prompts, label, cap))
+            recs, stats = run(timed, prompts, f"{pol} @ {rate:.2f} req/s", 2 * args.run_seconds,
+                              rate=rate)
             results.append(row(pol, rate, recs, stats, ttft_slo, tbt_slo, args))
             if args.validate_sim and pol not in ("hf", "openai"):
                 results[-1]["sim"] = validate_row(results[-1], timed, replace(cfg, policy=pol), pol)
@@ -254,7 +255,8 @@ def validate_row(real: dict, items: list[Item], cfg, policy: str) -> dict:
     """The same workload through sim.py's `cpu` profile: how far is the cost model from here?"""
     cost = sim.CostModel(sim.MODELS["smollm2-135m"], sim.cpu_profile(), cfg.block_size,
                          device_blocks=cfg.num_device_blocks, host_blocks=cfg.num_host_blocks)
-    reqs = [Request(f"v{i}", it.prompt_len, it.output_len, it.arrival) for i, it in enumerate(items)]
+    reqs = [Request(f"v{i}", it.prompt_len, it.output_len, it.arrival)
+            for i, it in enumerate(items)]
     r = sim.run_policy(policy, reqs, cost, cfg)
     print(f"  {'  sim (cpu profile)':<24}            TTFT att {r['ttft_attainment']:6.1%}  TBT att "
           f"{r['tbt_attainment']:6.1%}  {r['throughput_tok_s']:6.1f} tok/s  rotations "
@@ -270,7 +272,7 @@ def parse_args(argv):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default=None,
                     help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released; hf "
-                         "(HF transformers' continuous batching); openai (the server at --base-url)."
+                         "(HF transformers' continuous batching); openai (the --base-url server)."
                          " With parameters use ';' between policies: 'fcfs;rotasched:quantum=0.5'."
                          " Default: fcfs,rotasched; with --backend openai: openai")
     ap.add_argument("--rates", default=None, help="request rates (req/s); default: calibrated")
@@ -279,19 +281,7 @@ def parse_args(argv):
     ap.add_argument("--run-seconds", type=float, default=50.0,
                     help="time target of a run: sizes the workload to about this much work and "
                          "cuts a run off at twice it (default 50)")
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure-format trace CSV, or 'none'")
-    ap.add_argument("--trace-offset", type=int, default=0, help="first request of the trace slice")
-    ap.add_argument("--num-requests", type=int, default=48, help="most requests a run")
-    ap.add_argument("--prompt-scale", type=float, default=0.15, help="trace prompt lengths x this")
-    ap.add_argument("--output-scale", type=float, default=0.3, help="trace output lengths x this")
-    ap.add_argument("--min-output", type=int, default=8, help="shortest scaled output (tokens)")
-    ap.add_argument("--max-len", type=int, default=384, help="cap on scaled prompts and outputs")
-    ap.add_argument("--time-scale", type=float, default=None,
-                    help="replay the trace's own timing stretched by this factor (not calibrated)")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape (1 = Poisson)")
-    ap.add_argument("--input-lens", default="64,128,256", help="synthetic prompt lengths")
-    ap.add_argument("--output-lens", default="32,64,128", help="synthetic output lengths")
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_flags(ap)
     ap.add_argument("--pool-seqs", type=float, default=6.0,
                     help="without --num-device-blocks: a device pool of this many mean requests")
     ap.add_argument("--ttft-slo-factor", type=float, default=10.0, help="TTFT SLO / unloaded TTFT")
@@ -320,6 +310,22 @@ def parse_args(argv):
     return ap, args
 
 
+def add_workload_flags(ap) -> None:
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure-format trace CSV, or 'none'")
+    ap.add_argument("--trace-offset", type=int, default=0, help="first request of the trace slice")
+    ap.add_argument("--num-requests", type=int, default=48, help="most requests a run")
+    ap.add_argument("--prompt-scale", type=float, default=0.15, help="trace prompt lengths x this")
+    ap.add_argument("--output-scale", type=float, default=0.3, help="trace output lengths x this")
+    ap.add_argument("--min-output", type=int, default=8, help="shortest scaled output (tokens)")
+    ap.add_argument("--max-len", type=int, default=384, help="cap on scaled prompts and outputs")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="replay the trace's own timing stretched by this factor (not calibrated)")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape")
+    ap.add_argument("--input-lens", default="64,128,256", help="synthetic prompt lengths")
+    ap.add_argument("--output-lens", default="32,64,128", help="synthetic output lengths")
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def check_args(ap, args) -> None:
     for name in ("run_seconds", "prompt_scale", "output_scale", "pool_seqs", "burstiness",
                  "ttft_slo_factor", "tbt_slo_factor"):
@@ -338,7 +344,8 @@ def check_args(ap, args) -> None:
         args.output_lens = [int(x) for x in args.output_lens.split(",")]
     except ValueError as e:
         ap.error(f"a comma list: {e}")
-    if any(not x > 0 for x in (args.rates or []) + args.rate_factors + args.input_lens + args.output_lens):
+    values = (args.rates or []) + args.rate_factors + args.input_lens + args.output_lens
+    if any(not x > 0 for x in values):
         ap.error("rates, rate factors and lengths must be > 0")
     if args.policies is None:
         args.policies = "openai" if args.backend == "openai" else "fcfs,rotasched"

@@ -1,9 +1,9 @@
 """Speed next to HF transformers on the same weights, and the KV copy paths.
 
-    python bench_speed.py              decode tokens/s at batch 1/32/64 (ours fp32 and bf16, HF), the
-                                       engine on 32 x 64 greedy tokens vs HF generate_batch and
-                                       generate, GFLOP/s and GB/s against this machine's measured
-                                       peaks, and where a step's time goes
+    python bench_speed.py              decode tokens/s at batch 1/32/64 (ours fp32 and bf16, HF),
+                                       the engine on 32 x 64 greedy tokens vs HF generate_batch
+                                       and generate, GFLOP/s and GB/s against this machine's
+                                       measured peaks, and where a step's time goes
     python bench_speed.py --copies     KV copies: per-layer per-block (vLLM v0) vs merged
                                        block-first vs both directions at once, GB/s
 """
@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from config import EngineConfig, Parser
+from config import EngineConfig
+from flags import Parser
 from kv import DuplexCopier, KVPools, block_bytes, copy_merged, copy_per_layer
 from loader import build_model, embedded_gguf_path, hf_reference, read_gguf
 from metrics import best_time
@@ -102,8 +103,8 @@ def engine_run(model, prompts, out_len: int, timers: dict | None = None) -> floa
     if timers is not None:
         cuda = next(model.parameters()).is_cuda
         sync = torch.cuda.synchronize if cuda else None
-        for name, obj, attr in (("schedule", eng.sched, "schedule"), ("forward", eng.runner, "execute"),
-                                ("sampling", eng, "_sample")):
+        for name, obj, attr in (("schedule", eng.sched, "schedule"),
+                                ("forward", eng.runner, "execute"), ("sampling", eng, "_sample")):
             setattr(obj, attr, timed_call(getattr(obj, attr), timers, name, sync))
     t = time.perf_counter()
     for p in prompts:
@@ -147,7 +148,8 @@ def step_split(model, prompts, out_len: int) -> dict:
     cuda = next(model.parameters()).is_cuda
     for e in prof.key_averages():   # on a GPU, the operators' device time
         kind = OP_KINDS.get(e.key, "other ops")
-        ops[kind] = ops.get(kind, 0.0) + (e.self_device_time_total if cuda else e.self_cpu_time_total)
+        spent = e.self_device_time_total if cuda else e.self_cpu_time_total
+        ops[kind] = ops.get(kind, 0.0) + spent
     op_total = sum(ops.values())
     steps = timers["steps"]
     split = {k: 1e3 * timers["forward"] * v / op_total / steps for k, v in ops.items()}
@@ -186,10 +188,12 @@ def hf_generate(hf, prompts, out_len: int) -> float:
 def run_speed(num_requests: int = 32, out_len: int = 64, batches=(1, 32, 64)) -> dict:
     cfg, tensors = read_gguf(embedded_gguf_path())
     hf = hf_reference(cfg, {k: v.clone() for k, v in tensors.items()})
-    ours = build_model(cfg, {k: v.clone() for k, v in tensors.items()}, "cpu", torch.float32, "embedded")
+    copy = {k: v.clone() for k, v in tensors.items()}
+    ours = build_model(cfg, copy, "cpu", torch.float32, "embedded")
     ours16 = build_model(cfg, tensors, "cpu", torch.bfloat16, "embedded")
     peak, bw = machine_limits()
-    flop_tok = 2 * (sum(p.numel() for p in ours.layers.parameters()) + cfg.vocab_size * cfg.hidden_size)
+    params = sum(p.numel() for p in ours.layers.parameters()) + cfg.vocab_size * cfg.hidden_size
+    flop_tok = 2 * params
     weight_bytes = sum(p.numel() * 4 for p in ours.parameters())
     print(f"machine: {torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, "
           f"memory {bw / 1e9:.1f} GB/s (copy, read + write); model {flop_tok / 1e9:.3f} GFLOP and "
@@ -203,7 +207,8 @@ def run_speed(num_requests: int = 32, out_len: int = 64, batches=(1, 32, 64)) ->
         print(f"{'':<8}{B:>6}{o:11.1f}{h:9.1f}{o16:11.1f}{o * flop_tok / 1e9:9.0f}"
               f"{o * flop_tok / peak:8.0%}{o / B * weight_bytes / 1e9:12.1f}")
     prompts = offline_prompts(cfg, num_requests)
-    e = {"ours": engine_run(ours, prompts, out_len), "ours_bf16": engine_run(ours16, prompts, out_len),
+    e = {"ours": engine_run(ours, prompts, out_len),
+         "ours_bf16": engine_run(ours16, prompts, out_len),
          "hf_generate_batch": hf_generate_batch(hf, prompts, out_len, num_requests),
          "hf_generate": hf_generate(hf, prompts, out_len)}
     res["engine"] = e
@@ -249,13 +254,14 @@ def bench_copies(total_mib: int = 256, block_size: int = 16, layers: int = 30, k
 
 def print_copies(r: dict) -> None:
     plain = r["plain_d2h"]
-    print(f"Copy benchmark on {r['device']}: {r['blocks']} blocks x {r['block_bytes'] / 2**10:.0f} KiB "
-          f"({r['mib']:.0f} MiB), SmolLM2-135M KV shape, {r['bytes_per_layer_copy'] / 2**10:.0f} KiB "
-          "per layer copy")
+    print(f"Copy benchmark on {r['device']}: {r['blocks']} blocks x "
+          f"{r['block_bytes'] / 2**10:.0f} KiB ({r['mib']:.0f} MiB), SmolLM2-135M KV shape, "
+          f"{r['bytes_per_layer_copy'] / 2**10:.0f} KiB per layer copy")
     print(f"{'path':<34}{'GB/s':>8}{'vs plain':>10}")
     for key, label in (("plain_d2h", "plain contiguous copy"),
                        ("per_layer_d2h", "per-layer per-block (vLLM v0)"),
-                       ("merged_d2h", "merged block-first, d->h"), ("merged_h2d", "merged block-first, h->d"),
+                       ("merged_d2h", "merged block-first, d->h"),
+                       ("merged_h2d", "merged block-first, h->d"),
                        ("duplex_total", "duplex, both directions (total)")):
         print(f"{label:<34}{r[key]:8.2f}{r[key] / plain:9.2f}x")
     print(f"merged / per-layer: {r['merged_d2h'] / r['per_layer_d2h']:.1f}x")

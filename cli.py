@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import server
-from config import Parser, add_engine_flags, engine_config
+from flags import Parser, add_engine_flags, engine_config
 from loader import resolve_device
 from model import ModelLoadError
 from superinfer import LLM, SamplingParams

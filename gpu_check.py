@@ -63,15 +63,15 @@ def copy_sweep(device: torch.device, total_mib: int) -> list[dict]:
         out = list(zip(src, src))
         inn = [(n + s, n + d) for s, d in out]
         moved = len(out) * bb
+        gbs = lambda fn, k=1: k * moved / best_time(fn, 3, sync) / 1e9
         row = {"segment_kib": run * bb // 1024, "plain_pinned_gbs": plain,
-               "merged_d2h_gbs": moved / best_time(lambda: copy_merged(pools.device, pools.host, out), 3, sync) / 1e9,
-               "merged_h2d_gbs": moved / best_time(lambda: copy_merged(pools.host, pools.device, inn), 3, sync) / 1e9}
+               "merged_d2h_gbs": gbs(lambda: copy_merged(pools.device, pools.host, out)),
+               "merged_h2d_gbs": gbs(lambda: copy_merged(pools.host, pools.device, inn))}
         if run == 1:
-            row["per_layer_d2h_gbs"] = moved / best_time(
-                lambda: copy_per_layer(pools.device, pools.host, out), 3, sync) / 1e9
+            row["per_layer_d2h_gbs"] = gbs(lambda: copy_per_layer(pools.device, pools.host, out))
         copier, epoch = DuplexCopier(pools), iter(range(10**9))
-        row["duplex_total_gbs"] = 2 * moved / best_time(
-            lambda: (copier.submit(next(epoch), out, inn), copier.synchronize()), 3) / 1e9
+        row["duplex_total_gbs"] = gbs(
+            lambda: (copier.submit(next(epoch), out, inn), copier.synchronize()), 2)
         rows.append(row)
     return rows
 
@@ -104,9 +104,11 @@ def big_model_speed(cfg: ModelConfig, device: torch.device, dtype, batches) -> d
         pool = torch.zeros(B * nblk, *model.kv_block_shape(bs), dtype=dtype, device=device)
         tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(B)]
         sync = torch.cuda.synchronize if device.type == "cuda" else None
-        pre = make_batch([Seq([7] * ctx, 0, t, False) for t in tables[:max(1, 8 // max(1, B // 16))]], bs, device)
+        prefill_seqs = [Seq([7] * ctx, 0, t, False) for t in tables[:8]]
+        pre = make_batch(prefill_seqs, bs, device)
         t_pre = best_time(lambda: model(pre, pool), 2, sync)
-        dec = [make_batch([Seq([5], ctx + s, t, True) for t in tables], bs, device) for s in range(steps)]
+        dec = [make_batch([Seq([5], ctx + s, t, True) for t in tables], bs, device)
+               for s in range(steps)]
         t_dec = best_time(lambda: [model(d, pool) for d in dec], 2, sync) / steps
         res[f"b{B}"] = {"prefill_tok_s": len(pre.input_ids) / t_pre, "decode_tok_s": B / t_dec}
     prompts = offline_prompts(cfg, 32)
@@ -116,7 +118,8 @@ def big_model_speed(cfg: ModelConfig, device: torch.device, dtype, batches) -> d
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_report")
     ap.add_argument("--dry-run", action="store_true", help="small, on the CPU, to check the script")
     args = ap.parse_args(argv)
@@ -129,9 +132,9 @@ def main(argv=None) -> None:
     steps = [("cuda_tests", cuda_tests),
              ("copies", lambda: copy_sweep(device, 64 if args.dry_run else 2048)),
              ("smollm", lambda: smollm_on_device(device)),
-             ("llama3_8b_shape", lambda: big_model_speed(TINY if args.dry_run else LLAMA3_8B, device,
-                                                         torch.float32 if args.dry_run else torch.bfloat16,
-                                                         (1, 8) if args.dry_run else (1, 32, 128)))]
+             ("llama3_8b_shape", lambda: big_model_speed(*(
+                 (TINY, device, torch.float32, (1, 8)) if args.dry_run
+                 else (LLAMA3_8B, device, torch.bfloat16, (1, 32, 128)))))]
     for name, fn in steps:
         t = time.perf_counter()
         try:
@@ -143,7 +146,8 @@ def main(argv=None) -> None:
             json.dump(report, f, indent=1, default=str)
     with open(os.path.join(args.out, "report.txt"), "w") as f:
         f.write(json.dumps(report, indent=1, default=str))
-    print(json.dumps({k: v for k, v in report.items() if k != "smollm"}, indent=1, default=str)[:4000])
+    brief = {k: v for k, v in report.items() if k != "smollm"}
+    print(json.dumps(brief, indent=1, default=str)[:4000])
 
 
 if __name__ == "__main__":

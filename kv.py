@@ -261,7 +261,8 @@ class BlockManager:
         fenced = self.fenced
         assert not fenced & set(self.device.free) and not fenced & set(self.device.owner)
         assert self.device.num_free + len(self.device.owner) + len(fenced) == self.device.capacity
-        assert self.host.num_free + len(self.host.owner) + len(self.host_fenced) == self.host.capacity
+        host_used = len(self.host.owner) + len(self.host_fenced)
+        assert self.host.num_free + host_used == self.host.capacity
         for rid, s in self.seqs.items():
             assert all(self.device.owner[b] == rid for b in s.block_table), rid
             assert all(self.host.owner[b] == rid for b in s.host_blocks), rid

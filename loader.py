@@ -56,7 +56,8 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
         raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (model_type "
                              f"{cfg.get('model_type')!r}); only Llama-family models are supported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+        raise ModelLoadError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} "
+                             "(only 'silu')")
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise ModelLoadError(f"{source}: unsupported config field {flag}=true")
@@ -223,7 +224,8 @@ def embedded_gguf_path() -> str:
 def unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved pairs -> HF's rotate-half layout)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    pairs = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+    return pairs.transpose(1, 2).reshape(w.shape)
 
 
 def open_gguf(path: str):
@@ -274,7 +276,8 @@ GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 GGUF_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                     "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj"}
 
 
 def gguf_tensors(reader, cfg: ModelConfig, source: str) -> dict[str, Tensor]:

@@ -62,7 +62,8 @@ def summarize(records: list[tuple[float, list[float]]], ttft_slo: float, tbt_slo
 
 # ---------------------------------------------------------------- the table
 
-COLUMNS = "  rate   mean   p50   p99   mean   p50   p99    p99   TTFT    TBT goodput  tok/s    rot  pre     GiB"
+COLUMNS = ("  rate   mean   p50   p99   mean   p50   p99    p99   TTFT    TBT goodput  tok/s"
+           "    rot  pre     GiB")
 GROUPS = "        |-- TTFT (s) ------| |-- TBT (ms) -----|  E2E s |attainment|"
 
 

@@ -42,7 +42,8 @@ class ModelConfig:
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ModelLoadError(f"config field {name} must be a positive integer, got {value!r}")
+                raise ModelLoadError(f"config field {name} must be a positive integer, "
+                                     f"got {value!r}")
         if self.head_dim == 0 and self.num_heads:
             self.head_dim = self.hidden_size // self.num_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -52,12 +53,14 @@ class ModelConfig:
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ModelLoadError(f"config field {name} must be a positive number, got {value!r}")
+                raise ModelLoadError(f"config field {name} must be a positive number, "
+                                     f"got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                                  f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
-            raise ModelLoadError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ModelLoadError(f"head_dim must be even for rotary embeddings, "
+                                 f"got {self.head_dim}")
 
 
 # ---------------------------------------------------------------- rotary embeddings
@@ -139,7 +142,8 @@ def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "c
             dec_lens.append(start + 1)
         else:  # query j of the chunk sits at position start + j and sees keys 0 .. start + j
             ctx = start + n
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=device).tril(start) if start else None
+            mask = None if not start else torch.ones(n, ctx, dtype=torch.bool,
+                                                     device=device).tril(start)
             table_t = torch.tensor(table[:-(-ctx // block_size)], device=device)
             prefills.append(Prefill(row, n, ctx, table_t, mask))
         last_row[i] = row + n - 1

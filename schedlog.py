@@ -19,7 +19,8 @@ import argparse
 import json
 import sys
 
-from config import EngineConfig, Parser
+from config import EngineConfig
+from flags import Parser
 from scheduler import Request, Scheduler
 
 DECISIONS = ("tokens", "admitted", "resumed", "rotated_in", "rotated_out", "preempted",
@@ -82,7 +83,8 @@ def replay(path: str) -> tuple[int, str | None]:
             if why:
                 return steps, f"step {rec['step']} (t={rec['now']:.3f}): log has {why}"
             stopped = set(rec.get("stopped", []))
-            s.update(plan, {r.rid: STOP if r.rid in stopped else 0 for r in plan.chunks}, rec["done"])
+            tokens = {r.rid: STOP if r.rid in stopped else 0 for r in plan.chunks}
+            s.update(plan, tokens, rec["done"])
             steps += 1
     return steps, None
 

@@ -91,7 +91,7 @@ class StepPlan:
     rotated_out: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)   # by recompute
     proactive: list[str] = field(default_factory=list)   # rotated out before any shortfall
-    rotated_for: dict[str, str] = field(default_factory=dict)  # victim -> candidate it made room for
+    rotated_for: dict[str, str] = field(default_factory=dict)  # victim -> the candidate
     landed: int = -1                                # copies of epochs <= this had landed
 
     @property
@@ -210,7 +210,8 @@ class RotaSched(Policy):
     def overdue(self, r: Request, now: float) -> bool:
         """A rotary request whose token gap reached `bound` TBT SLOs goes ahead of the rest."""
         slo = r.tbt_slo or self.tbt_slo
-        return bool(self.bound) and r.status is Status.ROTARY and now - r.t_last_token >= self.bound * slo
+        gap = now - r.t_last_token
+        return bool(self.bound) and r.status is Status.ROTARY and gap >= self.bound * slo
 
     def rank(self, r, now):
         return (not self.overdue(r, now), -self.vlt(r, now), r.arrival, r.seq)
@@ -235,8 +236,8 @@ class RotaSched(Policy):
         mid-prefill requests, then the longest-running. A victim must have made progress since it
         was admitted (no livelock), have run a full time slice, and be able to come back within
         one step's transfer budget."""
-        ok = [v for v in s.running if v.tokens_since_admit > 0 and now - v.t_admitted >= self.quantum
-              and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
+        ok = [v for v in s.running if v.tokens_since_admit > 0 and now - v.t_admitted >=
+              self.quantum and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
         return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
 
     def victim(self, s, r, now):

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict
 
-from config import Parser, add_engine_flags, engine_config
+from flags import Parser, add_engine_flags, engine_config
 from loader import resolve_device
 from model import ModelLoadError
 from superinfer import Engine, EngineError, SamplingParams
@@ -86,9 +86,10 @@ def sampling(body: Body, default_max: int) -> SamplingParams:
             raise ApiError(400, f"{name}: only n=1, without logprobs or echo, is supported", name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     try:
-        return SamplingParams(max_tokens=body.max_completion_tokens or body.max_tokens or default_max,
-                              temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              seed=body.seed, stop=stop, ignore_eos=body.ignore_eos)
+        max_tokens = body.max_completion_tokens or body.max_tokens or default_max
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
+                              top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop,
+                              ignore_eos=body.ignore_eos)
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from None
 
@@ -98,10 +99,11 @@ def sampling(body: Body, default_max: int) -> SamplingParams:
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("superinfer_requests_running", "requests with KV on the device", registry=r)
-        self.waiting = Gauge("superinfer_requests_waiting", "requests not yet admitted", registry=r)
-        self.rotary = Gauge("superinfer_requests_rotary", "requests with KV parked on host", registry=r)
-        self.kv_usage = Gauge("superinfer_kv_usage", "share of KV blocks in use", ["tier"], registry=r)
+        gauge = lambda name, text, *labels: Gauge(name, text, labels, registry=r)
+        self.running = gauge("superinfer_requests_running", "requests with KV on the device")
+        self.waiting = gauge("superinfer_requests_waiting", "requests not yet admitted")
+        self.rotary = gauge("superinfer_requests_rotary", "requests with KV parked on host")
+        self.kv_usage = gauge("superinfer_kv_usage", "share of KV blocks in use", "tier")
         self.rotations = Counter("superinfer_rotations", "requests rotated out to host", registry=r)
         self.recomputes = Counter("superinfer_recomputes", "preemptions by recompute", registry=r)
         self.bytes_moved = Counter("superinfer_kv_bytes_moved", "KV bytes copied between tiers",
@@ -249,7 +251,8 @@ def create_app(engine: Engine, model_name: str = "superinfer") -> FastAPI:
     async def bad_body(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         field = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        message = f"{field}: {first.get('msg', 'invalid')}" if field else first.get("msg", "invalid body")
+        what = first.get("msg", "invalid body")
+        message = f"{field}: {what}" if field else what
         return JSONResponse(error_body(message, "invalid_request_error", field), status_code=422)
 
     @app.get("/health")
@@ -267,6 +270,11 @@ def create_app(engine: Engine, model_name: str = "superinfer") -> FastAPI:
         return PlainTextResponse(generate_latest(loop_.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
+    add_completions(app, loop_, engine, model_name)
+    return app
+
+
+def add_completions(app: FastAPI, loop_: EngineLoop, engine: Engine, model_name: str) -> None:
     def check_model(body: Body) -> None:
         if body.model is not None and body.model != model_name:
             raise ApiError(404, f"model: the model {body.model!r} does not exist (this server "
@@ -281,7 +289,8 @@ def create_app(engine: Engine, model_name: str = "superinfer") -> FastAPI:
                 raise ApiError(400, "prompt: one prompt per request (a list of several is not "
                                     "supported)", "prompt")
             prompt = prompt[0]
-        return await respond(loop_, request, prompt, sampling(body, 16), body, model_name, chat=False)
+        params = sampling(body, 16)
+        return await respond(loop_, request, prompt, params, body, model_name, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -293,12 +302,10 @@ def create_app(engine: Engine, model_name: str = "superinfer") -> FastAPI:
             prompt = tok.apply_chat_template(body.messages, add_generation_prompt=True,
                                              return_dict=False)
         except Exception as e:  # jinja and type errors from malformed messages
-            raise ApiError(400, f"messages: cannot apply the chat template ({e})", "messages") from None
-        default_max = engine.max_model_len - len(prompt)
-        return await respond(loop_, request, prompt, sampling(body, default_max), body, model_name,
-                             chat=True)
-
-    return app
+            raise ApiError(400, f"messages: cannot apply the chat template ({e})",
+                           "messages") from None
+        params = sampling(body, engine.max_model_len - len(prompt))
+        return await respond(loop_, request, prompt, params, body, model_name, chat=True)
 
 
 async def respond(loop_: EngineLoop, request: Request, prompt, params: SamplingParams, body: Body,
@@ -311,8 +318,8 @@ async def respond(loop_: EngineLoop, request: Request, prompt, params: SamplingP
     created = int(time.time())
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(stream(loop_, rid, events, ident, created, model_name, chat, usage),
-                                 media_type="text/event-stream")
+        events = stream(loop_, rid, events, ident, created, model_name, chat, usage)
+        return StreamingResponse(events, media_type="text/event-stream")
     while True:
         try:
             kind, item = await asyncio.wait_for(events.get(), timeout=0.5)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from config import ConfigError, EngineConfig
+from flags import Parser
 from metrics import plot, print_table, summarize, verdict
 from schedlog import log_name
 from scheduler import Request, Scheduler, StepPlan
@@ -93,7 +94,8 @@ class ModelSpec:
             if getattr(self, f) <= 0:
                 raise ValueError(f"model {self.name}: {f} must be positive, got {getattr(self, f)}")
         if self.heads % self.kv_heads or self.top_k > self.experts:
-            raise ValueError(f"model {self.name}: heads must divide by kv_heads and top_k <= experts")
+            raise ValueError(f"model {self.name}: heads must divide by kv_heads, "
+                             "and top_k <= experts")
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
@@ -161,7 +163,8 @@ class Hardware:
         for f in ("flops", "hbm_bw", "hbm_bytes", "host_bytes", "link_bw", "duplex_bw", "mfu",
                   "mbu", "kv_fraction", "p2p_bw"):
             if not getattr(self, f) > 0:
-                raise ValueError(f"hardware {self.name}: {f} must be positive, got {getattr(self, f)}")
+                raise ValueError(f"hardware {self.name}: {f} must be positive, "
+                                 f"got {getattr(self, f)}")
         if min(self.copy_overhead, self.step_overhead, self.gemm_half, self.p2p_latency) < 0:
             raise ValueError(f"hardware {self.name}: overheads must be >= 0")
         if self.duplex_bw < self.link_bw or max(self.mfu, self.mbu, self.kv_fraction) > 1:
@@ -222,7 +225,8 @@ class CostModel:
         """tokens computed this step; ctx_tokens = KV tokens read; attn_pairs = sum of query x
         key pairs. Per GPU: 1/tp of the FLOPs, weights and KV."""
         m, hw = self.m, self.hw
-        flops = tokens * m.active_flops_per_token() + 4 * attn_pairs * m.heads * m.head_dim * m.layers
+        attention = 4 * attn_pairs * m.heads * m.head_dim * m.layers
+        flops = tokens * m.active_flops_per_token() + attention
         bytes_ = m.weight_bytes_read(tokens) + (ctx_tokens + tokens) * m.kv_bytes_per_token
         efficiency = hw.mfu * tokens / (tokens + hw.gemm_half)  # small batches: skinny matmuls
         roof = max(flops / (hw.flops * efficiency), bytes_ / (hw.hbm_bw * hw.mbu)) / self.tp
@@ -285,7 +289,8 @@ def azure_lengths(path: str | None = None) -> list[tuple[int, int]]:
 def poisson_requests(rate: float, duration: float, lengths, seed: int,
                      max_len: int | None = None) -> list[Request]:
     items = poisson_arrivals(rate, duration, lengths, seed, max_len, MAX_REQUESTS)
-    return [Request(f"r{i}", it.prompt_len, it.output_len, it.arrival) for i, it in enumerate(items)]
+    return [Request(f"r{i}", it.prompt_len, it.output_len, it.arrival)
+            for i, it in enumerate(items)]
 
 
 def split_policies(text: str) -> list[str]:
@@ -347,8 +352,9 @@ def knee_rate(cost: CostModel, lengths, cfg: EngineConfig, duration: float, seed
 
 # ---------------------------------------------------------------- the README's table
 
-PAPER_POLICIES = ["fcfs", "rotasched", "rotasched:quantum=0.5", "rotasched:alpha_on=waiting",
-                  "rotasched:alpha_on=waiting,quantum=0.5", "rotasched-released"]
+PAPER_POLICIES = ["fcfs", "rotasched:bound=0", "rotasched", "rotasched:quantum=0.5",
+                  "rotasched:alpha_on=waiting", "rotasched:alpha_on=waiting,quantum=0.5",
+                  "rotasched-released"]
 
 
 def paper_table(args, cfg: EngineConfig, lengths) -> list[dict]:
@@ -379,14 +385,14 @@ def paper_table(args, cfg: EngineConfig, lengths) -> list[dict]:
 # ---------------------------------------------------------------- command line
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hw", default="gh200-96", choices=[*PROFILES, "cpu"], help="hardware profile")
     ap.add_argument("--model", default="llama-3-8b", choices=list(MODELS))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     ap.add_argument("--policies", default="fcfs,fcfs-swap,rotasched,rotasched-released",
                     help="comma list; 'rotasched:per-layer' uses vLLM v0's per-layer copies, "
-                         "'rotasched:alpha=1,quantum=0.5' sets parameters (then ';' between policies)")
-    ap.add_argument("--rates", default=None, help="request rates (req/s); default: around saturation")
+                         "'rotasched:alpha=1,quantum=0.5' sets parameters (';' between them then)")
+    ap.add_argument("--rates", default=None, help="request rates (req/s; default: calibrated)")
     ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of Poisson arrivals")
     ap.add_argument("--ttft-slo", type=float, default=5.0)

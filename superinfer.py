@@ -316,10 +316,10 @@ class Engine:
     def output(self, rid: str) -> RequestOutput:
         s = self.seqs[rid]
         r = s.req
-        m = RequestMetrics(r.arrival, r.token_times[0] if r.token_times else None,
-                           list(r.token_times),
-                           r.token_times[-1] if r.status is Status.FINISHED and r.token_times else None,
-                           r.rotations, r.recomputes)
+        times = list(r.token_times)
+        done = times[-1] if r.status is Status.FINISHED and times else None
+        m = RequestMetrics(r.arrival, times[0] if times else None, times, done, r.rotations,
+                           r.recomputes)
         return RequestOutput(rid, s.prompt_text, list(r.prompt or []), list(r.output), s.text,
                              r.finish_reason, m, s.error)
 

@@ -120,7 +120,8 @@ def init(rank: int, world: int, address: str, device: torch.device) -> None:
 
 
 def rank_device(cfg, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if (cfg.device or "").startswith("cuda") else torch.device("cpu")
+    cuda = (cfg.device or "").startswith("cuda")
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
 
 
 def load_shard(model_cfg: ModelConfig, state: dict, rank: int, world: int, device) -> Llama:
@@ -204,7 +205,7 @@ class TPRunner:
             logits = gather_logits(self.runner.execute(epoch, swap_out, swap_in, seqs),
                                    self.model_cfg.vocab_size, self.world)
             landed = torch.tensor([self.runner.completed_epoch()])
-            dist.all_reduce(landed, op=dist.ReduceOp.MIN)  # a fence lifts when all ranks' copies land
+            dist.all_reduce(landed, op=dist.ReduceOp.MIN)  # fences lift once all ranks' copies land
             self.landed = int(landed)
             return logits
         except (RuntimeError, dist.DistBackendError) as e:
