@@ -90,7 +90,9 @@ def test_tiny_end_to_end_json(tmp_path):
         assert 0 <= r["ttft_attainment"] <= 1 and r["throughput_tok_s"] > 0
     logs = sorted(tmp_path.glob("s.*.jsonl"))
     assert [p.name for p in logs] == ["s.fcfs.8.jsonl", "s.rotasched.8.jsonl"]
-    assert all(json.loads(line)["step"] >= 0 for line in logs[0].read_text().splitlines())
+    records = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    assert records[0]["event"] == "config" and [r["event"] for r in records].count("add") == 4
+    assert all(r["step"] >= 0 for r in records if r["event"] == "step")
 
 
 @pytest.mark.parametrize("argv,match", [
