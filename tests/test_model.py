@@ -249,3 +249,40 @@ def test_bf16_cpu_path_tracks_fp32(smollm):
             gen.append(toks[0])
         gens.append(gen)
     assert gens[0] == gens[1]
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda cfg: "{not json", "not valid JSON"),
+    (lambda cfg: "[1, 2]", "expected a JSON object"),
+    (lambda cfg: json.dumps(cfg | {"num_attention_heads": 0}), "num_heads must be positive"),
+    (lambda cfg: json.dumps(cfg | {"vocab_size": "97"}), "vocab_size must be a positive integer"),
+    (lambda cfg: json.dumps(cfg | {"rope_scaling": {"rope_type": "linear"}}),
+     "rope_scaling.factor must be a positive number"),
+    (lambda cfg: json.dumps(cfg | {"eos_token_id": "x"}), "eos_token_id"),
+])
+def test_malformed_config_json_is_named(tmp_path, edit, match):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(edit(hf_config_dict()))
+    with pytest.raises(ModelLoadError, match=match) as e:
+        load_model(str(ck), "cpu")
+    assert "config.json" in str(e.value)
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    _, hf = tiny_pair()
+    write_checkpoint(tmp_path / "ck", hf_config_dict(), {k: v.contiguous() for k, v in hf.state_dict().items()})
+    weights = tmp_path / "ck" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="model.safetensors: not a readable safetensors file"):
+        load_model(str(tmp_path / "ck"), "cpu")
+
+
+def test_gguf_by_a_bare_relative_name(tmp_path, monkeypatch):
+    """LLM('model.gguf') from the file's own directory (the tokenizer sits beside it)."""
+    import shutil
+    from loader import embedded_gguf_path
+    shutil.copy(embedded_gguf_path(), tmp_path / "m.gguf")
+    monkeypatch.chdir(tmp_path)
+    model, tok = load_model("m.gguf", "cpu", "float32")
+    assert tok("Paris").input_ids and model.cfg.num_layers == 30
