@@ -26,6 +26,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from kv import BlockManager, Pairs
 
@@ -76,6 +77,14 @@ class Request:
         if start >= p:
             return self.output[start - p:end - p]
         return (self.prompt or [])[start:end] + self.output[:max(0, end - p)]
+
+
+class Room(NamedTuple):
+    """What a step has left once some requests are rotated out."""
+    room: int      # device blocks free for use this step
+    budget: int    # tokens
+    host: int      # host blocks the rotations take
+    moves: int     # blocks copied
 
 
 @dataclass(slots=True)
@@ -465,45 +474,40 @@ class Scheduler:
     def _victims_for(self, plan: StepPlan, c: Request, now: float) -> list[Request] | None:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
         or None if it cannot fit even with every eligible victim: all or nothing."""
-        if self._fits(plan, c, []):
+        cost = Room(self.bm.num_free, self._budget, 0, 0)
+        if self._fits(plan, c, cost, 0):
             return []
         if not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
             return None
         started = set(plan.admitted + plan.resumed + plan.rotated_in)
         chosen: list[Request] = []
         for v in self.policy.victims(self, plan, now):
-            if v.rid in started or not self._affordable(plan, chosen + [v]):
+            if v.rid in started:
                 continue
+            drop = plan.chunks.get(v, 0)
+            e = self.bm.swap_out_effect(v.rid, drop)
+            more = Room(cost.room + e.room, cost.budget + drop, cost.host + e.host_need,
+                        cost.moves + e.copies)
+            if more.host > self.bm.host.num_free or not self._may_move(more.moves):
+                continue  # this victim cannot go: try the next
+            cost = more
             chosen.append(v)
-            if self._fits(plan, c, chosen):
+            if self._fits(plan, c, cost, len(chosen)):
                 return chosen
         return None
 
-    def _cost(self, plan: StepPlan, victims: list[Request]) -> tuple[int, int, int, int]:
-        """(device room, token budget, host blocks, blocks moved) once `victims` are rotated
-        out this step: the one place where a step's room is counted."""
-        room, budget, host, moves = self.bm.num_free, self._budget, 0, 0
-        for v in victims:
-            e = self.bm.swap_out_effect(v.rid, plan.chunks.get(v, 0))
-            room, budget = room + e.room, budget + plan.chunks.get(v, 0)
-            host, moves = host + e.host_need, moves + e.copies
-        return room, budget, host, moves
-
-    def _affordable(self, plan: StepPlan, victims: list[Request]) -> bool:
-        _, _, host, moves = self._cost(plan, victims)
-        return host <= self.bm.host.num_free and self._may_move(moves)
-
-    def _fits(self, plan: StepPlan, c: Request, victims: list[Request]) -> bool:
-        """Would c fit this step once `victims` are rotated out?"""
-        room, budget, host, moves = self._cost(plan, victims)
-        n = self._first_chunk(c, budget)
+    def _fits(self, plan: StepPlan, c: Request, cost: Room, victims: int) -> bool:
+        """Would c fit this step with `cost`: the room, token budget, host blocks and moves that
+        rotating `victims` requests out leaves? The one place where a step's room is counted."""
+        n = self._first_chunk(c, cost.budget)
+        moves = cost.moves
         if c.status is Status.ROTARY:
             moves += self.bm.num_blocks(c.rid)
         elif n == 0 or (victims and c.num_computed + n < c.num_tokens):
             return False  # a new request computes when admitted; a rotation buys its first token
-        return (self.bm.blocks_for(c.num_computed + n) <= room
-                and len(self.running) - len(victims) < self.cfg.max_num_seqs
-                and host <= self.bm.host.num_free and self._may_move(moves))
+        return (self.bm.blocks_for(c.num_computed + n) <= cost.room
+                and len(self.running) - victims < self.cfg.max_num_seqs
+                and cost.host <= self.bm.host.num_free and self._may_move(moves))
 
     def _may_move(self, blocks: int) -> bool:
         return self.policy.xfer_cap != "all" or blocks <= self._xfer
