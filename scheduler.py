@@ -186,14 +186,14 @@ class RotaSched(Policy):
     from rotations only once its signed lag is >= 0 (it is due). If every queued request fits,
     it is FCFS. Ours, not the paper's, each a named parameter:
       bound    a parked request whose token gap reached `bound` TBT SLOs goes first, and no new
-               request rotates anyone out meanwhile (0 = off; default 4);
+               request rotates anyone out meanwhile (0 = off, the default);
       quantum  seconds a request must run before it may be rotated out (0 = off, the default).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
-                 alpha_on: str = "rotary", quantum: float = 0.0, bound: float = 4.0,
+                 alpha_on: str = "rotary", quantum: float = 0.0, bound: float = 0.0,
                  duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         if alpha_on not in ("rotary", "waiting"):
             raise ValueError(f"alpha_on must be 'rotary' or 'waiting', got {alpha_on!r}")

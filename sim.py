@@ -352,8 +352,8 @@ def knee_rate(cost: CostModel, lengths, cfg: EngineConfig, duration: float, seed
 
 # ---------------------------------------------------------------- the README's table
 
-PAPER_POLICIES = ["fcfs", "rotasched:bound=0", "rotasched", "rotasched:quantum=0.5",
-                  "rotasched:alpha_on=waiting", "rotasched:alpha_on=waiting,quantum=0.5",
+PAPER_POLICIES = ["fcfs", "rotasched", "rotasched:quantum=0.5", "rotasched:alpha_on=waiting",
+                  "rotasched:alpha_on=waiting,quantum=0.5", "rotasched:bound=4",
                   "rotasched-released"]
 
 
