@@ -36,6 +36,19 @@ def tiny_pair(seed=0, **kw):
     return ours, hf
 
 
+def share_weights(model, dtype=None):
+    """Another Llama over the same weight tensors (no copy), or converted to dtype (one copy)."""
+    from model import Llama, rope_inv_freq
+    with torch.device("meta"):
+        other = Llama(model.cfg)
+    state = {k: v if dtype is None else v.to(dtype) for k, v in model.state_dict().items()}
+    other.load_state_dict(state, assign=True)
+    other.inv_freq = rope_inv_freq(model.cfg)
+    if model.cfg.tie_word_embeddings:
+        other.lm_head.weight = other.embed.weight
+    return other.eval()
+
+
 def virtual_clock(dt=0.05):
     ticks = itertools.count()
     return lambda: next(ticks) * dt
@@ -48,9 +61,10 @@ def smollm():
     return load_model(None, "cpu", torch.float32)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm_hf():
-    """HF transformers' LlamaForCausalLM on the embedded SmolLM2's weights: the reference."""
+    """HF transformers' LlamaForCausalLM on the embedded SmolLM2's weights: the reference
+    (per module, so that its 0.5 GB is freed when a module is done with it)."""
     from loader import embedded_gguf_path, hf_reference, read_gguf
     hf = hf_reference(*read_gguf(embedded_gguf_path()))
     hf.generation_config.eos_token_id = None  # compare full lengths, past any end of turn

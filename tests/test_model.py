@@ -223,10 +223,9 @@ def test_bf16_cpu_path_tracks_fp32(smollm):
     """The bfloat16 model (2x faster decoding on CPUs with AVX512-BF16) against fp32 on the same
     weights: every logit within 1.5, the top token the same at >= 90% of positions, and the
     answer to the Paris prompt unchanged over 32 greedy tokens."""
-    from loader import build_model, embedded_gguf_path, read_gguf
+    from conftest import share_weights
     model, tok = smollm
-    cfg, tensors = read_gguf(embedded_gguf_path())
-    bf16 = build_model(cfg, tensors, "cpu", torch.bfloat16, "embedded")
+    bf16 = share_weights(model, torch.bfloat16)
     for k, prompt in enumerate(PROMPTS):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                       add_generation_prompt=True, return_dict=False)
@@ -279,10 +278,12 @@ def test_truncated_safetensors_is_named(tmp_path):
 
 
 def test_gguf_by_a_bare_relative_name(tmp_path, monkeypatch):
-    """LLM('model.gguf') from the file's own directory (the tokenizer sits beside it)."""
-    import shutil
-    from loader import embedded_gguf_path
-    shutil.copy(embedded_gguf_path(), tmp_path / "m.gguf")
+    """LLM('model.gguf') from the file's own directory: the path is made absolute (the
+    tokenizer comes from the file's own metadata, never from a directory or a hub)."""
+    import loader
+    (tmp_path / "m.gguf").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
-    model, tok = load_model("m.gguf", "cpu", "float32")
-    assert tok("Paris").input_ids and model.cfg.num_layers == 30
+    seen = []
+    monkeypatch.setattr(loader, "load_gguf", lambda path, device, dtype: seen.append(path))
+    load_model("m.gguf", "cpu", "float32")
+    assert seen == [str(tmp_path / "m.gguf")]

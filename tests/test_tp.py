@@ -34,13 +34,12 @@ def test_split_is_even_and_complete():
 def test_embedded_model_on_two_ranks_equals_one(smollm, policy):
     """SmolLM2's 3 KV heads go 2 + 1; greedy tokens equal the single process's, with a pool
     small enough that requests are preempted or rotated."""
-    from loader import load_model
+    from conftest import share_weights
     model, tok = smollm
     prompts = [f"Tell me about {x}." for x in ("the moon", "bread", "chess", "rivers", "bees",
                                                 "winter")]
     one, _ = generate(model, tok, prompts, 1, policy=policy, **SMALL)
-    shardable, _ = load_model(None, "cpu", torch.float32)  # sharding takes the model apart
-    two, stats = generate(shardable, tok, prompts, 2, policy=policy, **SMALL)
+    two, stats = generate(share_weights(model), tok, prompts, 2, policy=policy, **SMALL)
     assert two == one
     assert stats["rotations"] + stats["recomputes"] > 0
 
