@@ -16,7 +16,11 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(smollm, streams=None, **kw):
+    """An engine on the embedded model with a virtual clock; its pools are small unless a test
+    sizes them (the engine's default 256 MiB + 512 MiB per engine adds up over a test run)."""
     model, tok = smollm
+    kw.setdefault("num_device_blocks", 128)
+    kw.setdefault("num_host_blocks", 256)
     return Engine(EngineConfig(**kw), model, tok, clock=virtual_clock(), streams=streams)
 
 
