@@ -20,6 +20,10 @@ class ModelLoadError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the field."""
 
 
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "max_position_embeddings")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     vocab_size: int
@@ -38,16 +42,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in INT_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ModelLoadError(f"config field {name} must be a positive integer, "
                                      f"got {value!r}")
         if self.head_dim == 0 and self.num_heads:
             self.head_dim = self.hidden_size // self.num_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in INT_FIELDS:  # head_dim 0 meant "derive it"; now every size must be positive
             if getattr(self, name) == 0:
                 raise ModelLoadError(f"config field {name} must be positive, got 0")
         for name in ("rms_norm_eps", "rope_theta"):

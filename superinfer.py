@@ -124,21 +124,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     argmax; the others are filtered (top-k, then top-p) and sampled in float64 by inverse CDF
     with one uniform draw from the request's own generator, so a seed gives the same tokens
     whatever the batch."""
-    out: list[int | None] = logits.argmax(-1).tolist()
-    ok = torch.isfinite(logits).all(-1).tolist()
+    dev = logits.device  # the filtering runs where the logits are; the draws on CPU generators
+    out, ok = torch.stack((logits.argmax(-1), torch.isfinite(logits).all(-1).long())).tolist()
     rows = [i for i, p in enumerate(params) if ok[i] and p.temperature >= GREEDY_EPS]
     if rows:
         vocab = logits.shape[-1]
-        x = logits[rows].double() / torch.tensor([params[i].temperature for i in rows],
-                                                 dtype=torch.float64)[:, None]
+        col = lambda xs, **kw: torch.tensor(xs, device=dev, **kw)[:, None]
+        x = logits[rows].double() / col([params[i].temperature for i in rows],
+                                        dtype=torch.float64)
         x, idx = x.sort(dim=-1, descending=True, stable=True)
-        k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows])
-        probs = x.masked_fill(torch.arange(vocab) >= k[:, None], -math.inf).softmax(-1)
-        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
+        k = col([params[i].top_k if params[i].top_k > 0 else vocab for i in rows])
+        probs = x.masked_fill(torch.arange(vocab, device=dev) >= k, -math.inf).softmax(-1)
+        top_p = col([params[i].top_p for i in rows], dtype=torch.float64)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
         cdf = probs.cumsum(-1)
         u = torch.stack([torch.rand((), dtype=torch.float64, generator=gens[i]) for i in rows])
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
+        pick = torch.searchsorted(cdf, (u.to(dev) * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
         for i, tok in zip(rows, idx.gather(1, pick)[:, 0].tolist()):
             out[i] = tok
     return [t if ok[i] else None for i, t in enumerate(out)]
@@ -250,7 +251,7 @@ class Engine:
                 for r, n in plan.chunks.items()]
         try:
             logits = self.runner.execute(plan.epoch, plan.swap_out, plan.swap_in, seqs)
-            sampled = self._sample(plan, logits)
+            sampled = self._sample(plan, seqs, logits)
         except BaseException as e:
             self._fail(plan, e)
         self.rotations += len(plan.rotated_out)
@@ -258,9 +259,9 @@ class Engine:
         finished = {r.rid for r in self.sched.update(plan, sampled, self.clock())}
         return [self._emit(rid, tok, rid in finished) for rid, tok in sampled.items()]
 
-    def _sample(self, plan, logits) -> dict[str, int]:
-        wanting = [self.seqs[r.rid] for r, n in plan.chunks.items()
-                   if r.num_computed + n == r.num_tokens]
+    def _sample(self, plan, seqs: list[Seq], logits) -> dict[str, int]:
+        """One token for each chunk that wants logits (the logits' rows, in that order)."""
+        wanting = [self.seqs[r.rid] for r, q in zip(plan.chunks, seqs) if q.wants_logits]
         if not wanting:
             return {}
         toks = sample(logits, [s.params for s in wanting], [s.gen for s in wanting])

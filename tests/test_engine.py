@@ -127,6 +127,18 @@ def test_sample_tiny_temperature_is_greedy_and_nan_rows_fail_alone():
     assert sample(logits, params, gens) == [1, None]
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sampling_draws_the_same_tokens_as_on_cpu():
+    """Logits on the GPU are filtered there; seeded draws give the CPU's tokens."""
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(1))
+    logits[5, 3] = float("nan")
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+              [(0, 0, 1.0), (0.8, 0, 1.0), (1.0, 40, 1.0), (1.2, 0, 0.9), (0.5, 10, 0.5),
+               (1.0, 0, 1.0)]]
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(len(params))]
+    assert sample(logits.cuda(), params, gens()) == sample(logits, params, gens())
+
 def test_abort_mid_decode_frees_both_tiers(smollm):
     e = make_engine(smollm, policy="rotasched", block_size=8, num_device_blocks=24,
                     num_host_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=0.5)
