@@ -23,18 +23,16 @@ from dataclasses import replace
 
 import torch
 
-import bench_speed
-import client
-import sim
-from flags import Parser, add_engine_flags, engine_config
-from loader import load_model, resolve_device
-from metrics import plot, print_table, progress, summarize, verdict
 from model import ModelLoadError
-from scheduler import Request
-from schedlog import log_name
-from superinfer import Engine, SamplingParams
-from workload import (DEFAULT_TRACE, Item, Scaling, TraceError, describe_scaling, read_trace,
-                      synthetic_prompts, synthetic_workload, trace_workload, with_rate)
+from sched import Request
+from serving import client
+from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
+from tools import bench_speed, sim
+from tools.schedlog import log_name
+from weights.loader import load_model, resolve_device
+from workload.metrics import plot, print_table, progress, summarize, verdict
+from workload.trace import (DEFAULT_TRACE, Item, Scaling, TraceError, describe_scaling, read_trace,
+                            synthetic_prompts, synthetic_workload, trace_workload, with_rate)
 
 JSON_KEYS = ("policy", "rate", "num_requests", "ttft_attainment", "tbt_attainment", "goodput_req_s",
              "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "rotations",
@@ -208,7 +206,8 @@ def bench_config(ap, args, **override):
     return engine_config(ap, args, **calibrated | override)
 
 
-def run_serving(args, ap) -> list[dict]:
+def run_serving(args, ap, results: list[dict]) -> None:
+    """Every (rate, policy) run, each finished row appended to `results` as it completes."""
     cfg = bench_config(ap, args, policy="fcfs")
     local = [p for p in args.policies if p != "openai"]
     model, tok = load_model(cfg.model, cfg.device, cfg.dtype) if local else (None, None)
@@ -224,7 +223,6 @@ def run_serving(args, ap) -> list[dict]:
     rates, n = choose_rates(args, items, sat)
     print(f"saturation {sat:.2f} req/s -> rates {rates}; {n} requests a run; {runs} runs of about "
           f"{n / max(sat, 1e-3):.0f} s each (each cut off at {2 * args.run_seconds:.0f} s)")
-    results = []
     for rate in rates:
         timed = with_rate(items[:n], rate)
         for pol in args.policies:
@@ -234,14 +232,11 @@ def run_serving(args, ap) -> list[dict]:
             results.append(row(pol, rate, recs, stats, ttft_slo, tbt_slo, args))
             if args.validate_sim and pol not in ("hf", "openai"):
                 results[-1]["sim"] = validate_row(results[-1], timed, replace(cfg, policy=pol), pol)
-    print_table(results, (ttft_slo, tbt_slo))
-    for line in verdict(results):
-        print(line)
-    return results
 
 
 def row(pol, rate, recs, stats, ttft_slo, tbt_slo, args) -> dict:
-    r = {"policy": pol, "rate": rate, **summarize(recs, ttft_slo, tbt_slo, args.tpot_slo)}
+    r = {"policy": pol, "rate": rate, **summarize(recs, ttft_slo, tbt_slo, args.tpot_slo),
+         "ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo}
     r |= {k: stats.get(k, 0) for k in ("rotations", "recomputes", "bytes_moved", "unfinished")}
     r["mean_step_ms"] = stats.get("mean_step_ms", math.nan)
     cut = f", {r['unfinished']} cut off at the time cap" if r["unfinished"] else ""
@@ -378,10 +373,25 @@ def main(argv=None) -> None:
     if args.speed:
         bench_speed.run_speed()
         return
+    rows: list[dict] = []
     try:
-        rows = run_serving(args, ap)
+        run_serving(args, ap, rows)
     except (ModelLoadError, TraceError) as e:
         sys.exit(f"bench: error: {e}")
+    except KeyboardInterrupt:  # keep what finished; the run in progress is dropped
+        print(f"\nbench: interrupted; {len(rows)} finished runs kept", file=sys.stderr)
+        report(rows, args)
+        sys.exit(130)
+    report(rows, args)
+
+
+def report(rows: list[dict], args) -> None:
+    """The table and the verdict of the finished runs; --json and --plot written from them."""
+    if not rows:
+        return
+    print_table(rows, (rows[0]["ttft_slo_s"], rows[0]["tbt_slo_s"]))
+    for line in verdict(rows):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: r[k] for k in JSON_KEYS} | r for r in rows], f, indent=1)

@@ -11,7 +11,8 @@ compute waits for every copy, so freed blocks are reusable at once and nothing i
 
 The copier reaches streams and events only through a Streams object: CudaStreams on a GPU,
 SyncStreams on a CPU (copies happen at once), or a test's deferred streams that run copies
-late, in any order the declared waits allow.
+late, in any order the declared waits allow. A Runner is one process's pools, copier and model:
+it launches a step's copies both ways, then the forward over the pools.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
+
+from model import Llama, Seq, make_batch
 
 Pairs = list[tuple[int, int]]  # (source block, destination block)
 
@@ -479,3 +483,52 @@ class DuplexCopier:
     def synchronize(self) -> None:
         self.streams.synchronize()
         self.completed_epoch()
+
+
+# ---------------------------------------------------------------- one process's side of a step
+
+CPU_POOL_BYTES = 256 * 2**20  # the default device pool on a CPU
+GPU_POOL_FRACTION = 0.8       # of the GPU memory left free after the weights
+
+
+def pool_sizes(model: Llama, cfg, device: torch.device) -> tuple[int, int]:
+    """(device blocks, host blocks): the config's, or what memory allows."""
+    shape = model.kv_block_shape(cfg.block_size)
+    dtype = next(model.parameters()).dtype
+    dev = cfg.num_device_blocks
+    if dev is None:
+        budget = GPU_POOL_FRACTION if device.type == "cuda" else CPU_POOL_BYTES
+        dev = blocks_for_budget(budget, shape, dtype, device)
+    host = cfg.num_host_blocks
+    if host is None:  # twice the device pool, within a quarter of the free host memory
+        host = min(2 * dev, blocks_for_budget(0.25, shape, dtype, torch.device("cpu")))
+    return dev, host
+
+
+class Runner:
+    """One process's model, KV pools and copier (parallel/tp.py runs one per rank)."""
+
+    def __init__(self, model: Llama, cfg, num_device_blocks: int, num_host_blocks: int,
+                 duplex: bool, streams=None):
+        self.model, self.block_size = model, cfg.block_size
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.pools = KVPools(num_device_blocks, num_host_blocks,
+                             model.kv_block_shape(cfg.block_size), dtype, self.device)
+        self.copier = DuplexCopier(self.pools, duplex, streams, bool(cfg.swap_in_overlap))
+
+    def execute(self, epoch: int, swap_out, swap_in, seqs: list[Seq]) -> Tensor | None:
+        """Copies of `epoch` (both directions at once), then the forward; logits or None."""
+        self.copier.submit(epoch, swap_out, swap_in)
+        if not seqs:
+            return None
+        return self.model(make_batch(seqs, self.block_size, self.device), self.pools.device)
+
+    def completed_epoch(self) -> int:
+        return self.copier.completed_epoch()
+
+    def synchronize(self) -> None:
+        self.copier.synchronize()
+
+    def close(self) -> None:
+        """Nothing to release in one process (TPRunner stops its ranks here)."""

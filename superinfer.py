@@ -1,35 +1,199 @@
-"""SuperInfer engine: the step loop, and the vLLM-style LLM / SamplingParams API.
+"""SuperInfer engine: its one config, the step loop, the vLLM-style LLM / SamplingParams API and
+the command line.
 
-    now -> scheduler.schedule(now) -> StepPlan
+    now -> sched.schedule(now) -> StepPlan
         -> runner.execute(copies, chunks)       both directions in flight, then the forward
-        -> sample -> scheduler.update(tokens)   streamed tokens, finished requests
+        -> sample -> sched.update(tokens)       streamed tokens, finished requests
 
 A step is atomic with respect to errors: if it fails, the requests it ran are aborted with the
 error, their blocks freed, and the engine serves everything else.
 
-    python superinfer.py "Why is the sky blue?"        (the command line is cli.py)
+    python superinfer.py "Why is the sky blue?"       a reply from the embedded model
+    python superinfer.py serve --port 8000            the OpenAI-compatible server (serving/)
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
+import os
 import secrets
+import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import torch
 from tokenizers.decoders import DecodeStream
 
-from config import EngineConfig, check_float, check_int
-from loader import load_model
-from model import Seq
-from runner import Runner, pool_sizes
-from scheduler import Request, Scheduler, Status
-from tp import TPRunner
+from kv import Runner, pool_sizes
+from model import ModelLoadError, Seq
+from parallel.tp import TPRunner
+from sched import Request, Scheduler, Status, make_policy
+from weights.loader import dtype_name, load_model, resolve_device
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
+
+# ---------------------------------------------------------------- the config
+
+class ConfigError(ValueError):
+    """A setting out of range or of the wrong type; the message names the setting."""
+
+
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None,
+              allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{name} must be {bounds}, got {value}")
+
+
+def check_float(name: str, value, lo: float = 0.0, hi: float = math.inf,
+                lo_open: bool = True) -> None:
+    """A finite real in (lo, hi] (or [lo, hi] when lo_open is False); NaN and inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if value < lo or (lo_open and value == lo) or value > hi:
+        left, right = "(" if lo_open else "[", "]" if math.isfinite(hi) else ")"
+        raise ConfigError(f"{name} must be in {left}{lo:g}, {hi:g}{right}, got {value}")
+
+
+@dataclass
+class EngineConfig:
+    """Every engine setting, its one default and its validation: the engine, LLM, the CLI, the
+    server, bench.py and the simulator all read their settings from here."""
+    model: str | None = None                 # HF checkpoint dir or .gguf; None: embedded SmolLM2
+    policy: str = "rotasched"                # may carry parameters: "rotasched:alpha=1"
+    device: str | None = None                # None: cuda if available, else cpu
+    dtype: object = None                     # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16                     # tokens per KV block
+    num_device_blocks: int | None = None     # None: 80% of free GPU memory, 256 MiB on CPU
+    num_host_blocks: int | None = None       # None: 2x device, within a quarter of free RAM
+    max_num_seqs: int = 32                   # requests in one batch
+    max_num_batched_tokens: int = 512        # tokens computed in one step
+    xfer_budget: int = 2400                  # B_xfer: blocks moved per step
+    swap_watermark: int | None = None        # rotasched-released: act below this many free
+                                             # blocks (their proactive_swap_budget); None: B_xfer
+    ttft_slo: float = 5.0                    # seconds; per-request values override
+    tbt_slo: float = 0.1
+    host_admit_limit: float = 0.9            # hold new requests while host KV is fuller
+    swap_in_overlap: bool | None = None      # a swapped-in request runs one step later, its copy
+                                             # under the step's forward; None: on CUDA only
+    tensor_parallel_size: int = 1
+    seed: int | None = None                  # engine seed for requests without their own
+    log_path: str | None = None              # JSON-lines schedule log
+
+    def __post_init__(self):
+        for name in ("model", "log_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a path or None, got {getattr(self, name)!r}")
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"policy must be a name like 'rotasched', got {self.policy!r}")
+        make_policy(self.policy)  # raises a ValueError naming what is wrong
+        self.device = None if self.device is None else str(self.device)
+        try:
+            self.dtype = dtype_name(self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        check_int("block_size", self.block_size, 1, 4096)
+        for name, lo in (("num_device_blocks", 1), ("num_host_blocks", 0), ("swap_watermark", 0),
+                         ("seed", -2**63)):
+            check_int(name, getattr(self, name), lo, 2**64 - 1, allow_none=True)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            check_int(name, getattr(self, name), 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                              f">= max_num_seqs ({self.max_num_seqs}): each sequence needs a token")
+        check_int("xfer_budget", self.xfer_budget, 0)
+        check_float("ttft_slo", self.ttft_slo)
+        check_float("tbt_slo", self.tbt_slo)
+        check_float("host_admit_limit", self.host_admit_limit, 0.0, 1.0)
+        if self.swap_in_overlap not in (None, True, False):
+            raise ConfigError(f"swap_in_overlap must be true, false or None, got "
+                              f"{self.swap_in_overlap!r}")
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        """Like EngineConfig(**kw) but an unknown keyword is a ConfigError naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kw) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine setting {unknown[0]!r} "
+                              f"(settings: {', '.join(sorted(known))})")
+        return cls(**kw)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block): what is wrong, and where to look."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+ON_OFF = {"on": True, "off": False}
+FLAGS = {  # EngineConfig field -> (type or choices, help)
+    "model": (str, "HF Llama checkpoint directory or .gguf file (default: the embedded "
+                   "SmolLM2-135M-Instruct)"),
+    "policy": (str, "fcfs, fcfs-swap, priority, rotasched, rotasched-released; parameters as in "
+                    "'rotasched:quantum=0.5'"),
+    "device": (str, "cpu, cuda or cuda:N (default: cuda if available)"),
+    "dtype": (str, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)"),
+    "block_size": (int, "tokens per KV block"),
+    "num_device_blocks": (int, "KV blocks on the device (default: 80%% of free GPU memory, "
+                               "256 MiB on a CPU)"),
+    "num_host_blocks": (int, "KV blocks in host memory (default: twice the device pool)"),
+    "max_num_seqs": (int, "requests in one batch"),
+    "max_num_batched_tokens": (int, "tokens computed in one step"),
+    "xfer_budget": (int, "B_xfer: KV blocks moved per step"),
+    "swap_watermark": (int, "rotasched-released: swap out when fewer blocks are free (default: "
+                            "B_xfer, as in the authors' code)"),
+    "ttft_slo": (float, "time-to-first-token SLO, seconds"),
+    "tbt_slo": (float, "time-between-tokens SLO, seconds"),
+    "host_admit_limit": (float, "hold new requests while host KV usage is above this fraction"),
+    "swap_in_overlap": (list(ON_OFF), "on: a swapped-in request runs one step later, its copy "
+                        "under the forward; off: it runs at once and compute waits (default: on "
+                        "for CUDA)"),
+    "tensor_parallel_size": (int, "ranks to shard the model over"),
+    "seed": (int, "engine seed for requests without their own"),
+    "log_path": (str, "write the JSON-lines schedule log here"),
+}
+
+
+def add_engine_flags(ap: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults) -> None:
+    """--model, --policy, ... one flag per EngineConfig field; defaults are EngineConfig's."""
+    group = ap.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
+        kind, text = FLAGS[f.name]
+        default = defaults.get(f.name, f.default)
+        flag = "--log" if f.name == "log_path" else "--" + f.name.replace("_", "-")
+        typed = {"choices": kind} if isinstance(kind, list) else {"type": kind}
+        group.add_argument(flag, dest=f.name, default=default, **typed,
+                           help=f"{text} (default: {default})" if default is not None else text)
+
+
+def engine_config(ap: argparse.ArgumentParser, args, **override) -> EngineConfig:
+    """The EngineConfig the flags describe; a bad value is a one-line error, before any loading."""
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if isinstance(values.get("swap_in_overlap"), str):
+        values["swap_in_overlap"] = ON_OFF[values["swap_in_overlap"]]
+    if values.get("model") is not None and not os.path.exists(os.path.expanduser(values["model"])):
+        ap.error(f"--model: no such file or directory: {values['model']}")
+    try:
+        cfg = EngineConfig(**(values | override))
+        resolve_device(cfg.device)
+        return cfg
+    except ValueError as e:
+        ap.error(str(e))
+
+
+# ---------------------------------------------------------------- requests and sampling
 
 @dataclass
 class SamplingParams:
@@ -351,7 +515,7 @@ class Engine:
 
 class LLM:
     """Offline inference, vLLM-style: LLM(model, **settings).generate(prompts, SamplingParams()).
-    Settings are EngineConfig's fields (config.py)."""
+    Settings are EngineConfig's fields."""
 
     def __init__(self, model: str | None = None, **settings):
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **settings))
@@ -415,6 +579,52 @@ class LLM:
         self.engine.close()
 
 
-if __name__ == "__main__":  # the command line lives in cli.py, above the engine
-    import cli
-    cli.main()
+# ---------------------------------------------------------------- the command line
+
+def generate_parser() -> Parser:
+    ap = Parser(prog="superinfer", description="Generate a reply with SuperInfer. "
+                "`python superinfer.py serve --help` for the server.")
+    ap.add_argument("prompt", help="the user message")
+    ap.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (128)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--request-seed", type=int, default=None, help="seed of this request")
+    ap.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the "
+                    "chat template")
+    add_engine_flags(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python superinfer.py PROMPT [flags]: arguments are checked before anything loads."""
+    ap = generate_parser()
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = engine_config(ap, args)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.request_seed)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        llm = LLM(**vars(cfg))
+    except (ModelLoadError, ValueError) as e:
+        sys.exit(f"superinfer: error: {e}")
+    try:
+        prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
+        out = llm.generate([prompt], params)[0]
+    except KeyboardInterrupt:
+        sys.exit("superinfer: interrupted")
+    finally:
+        llm.close()
+    if out.error:
+        sys.exit(f"superinfer: error: {out.error}")
+    print(out.text)
+
+
+if __name__ == "__main__":  # the entry point; the server sits above the engine, in serving/
+    if sys.argv[1:2] == ["serve"]:
+        from serving.server import main as serve
+        serve(sys.argv[2:])
+    else:
+        main()

@@ -24,7 +24,7 @@ def hf_config_dict(vocab=97, hidden=32, inter=48, layers=2, heads=4, kv_heads=2,
 def tiny_pair(seed=0, **kw):
     """(our model, HF LlamaForCausalLM) on the same random fp32 weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from loader import build_model, config_from_hf
+    from weights.loader import build_model, config_from_hf
     cfg_dict = hf_config_dict(**kw)
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(LlamaConfig(**cfg_dict)).float().eval()
@@ -57,7 +57,7 @@ def virtual_clock(dt=0.05):
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2 (ours, fp32) and its tokenizer, loaded once."""
-    from loader import load_model
+    from weights.loader import load_model
     return load_model(None, "cpu", torch.float32)
 
 
@@ -65,7 +65,7 @@ def smollm():
 def smollm_hf():
     """HF transformers' LlamaForCausalLM on the embedded SmolLM2's weights: the reference
     (per module, so that its 0.5 GB is freed when a module is done with it)."""
-    from loader import embedded_gguf_path, hf_reference, read_gguf
+    from weights.loader import embedded_gguf_path, hf_reference, read_gguf
     hf = hf_reference(*read_gguf(embedded_gguf_path()))
     hf.generation_config.eos_token_id = None  # compare full lengths, past any end of turn
     return hf

@@ -4,9 +4,9 @@ import json
 import pytest
 
 import bench
-from metrics import harms, percentile, summarize, verdict
-from workload import (DEFAULT_TRACE, Scaling, TraceError, read_trace, synthetic_workload,
-                      trace_workload, with_rate)
+from workload.metrics import harms, percentile, summarize, verdict
+from workload.trace import (DEFAULT_TRACE, Scaling, TraceError, read_trace, synthetic_workload,
+                            trace_workload, with_rate)
 
 
 def test_percentile_matches_linear_interpolation():

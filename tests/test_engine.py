@@ -7,10 +7,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from config import ConfigError, EngineConfig
 from conftest import virtual_clock
 from deferred import DeferredStreams
-from superinfer import LLM, Engine, EngineError, SamplingParams, sample
+from superinfer import ConfigError, Engine, EngineConfig, EngineError, LLM, SamplingParams, sample
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -357,7 +356,7 @@ def test_cuda_rotation_is_invisible():
 def test_an_engine_runs_schedule_log_replays_exactly(smollm, tmp_path):
     """The engine's log (real model, rotations, an abort, EOS and stop-string finishes) is
     re-decided step for step by the scheduler alone on the logged clock."""
-    import schedlog
+    from tools import schedlog
     path = tmp_path / "engine.jsonl"
     e = make_engine(smollm, policy="rotasched", block_size=8, num_device_blocks=24,
                     num_host_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=0.5,

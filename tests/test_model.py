@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import hf_config_dict, tiny_pair
-from loader import config_from_hf, load_model
 from model import ModelLoadError, Seq, make_batch
+from weights.loader import config_from_hf, load_model
 
 TOL = 2e-4  # fp32 logits; observed differences are ~5e-6
 
@@ -280,7 +280,7 @@ def test_truncated_safetensors_is_named(tmp_path):
 def test_gguf_by_a_bare_relative_name(tmp_path, monkeypatch):
     """LLM('model.gguf') from the file's own directory: the path is made absolute (the
     tokenizer comes from the file's own metadata, never from a directory or a hub)."""
-    import loader
+    from weights import loader
     (tmp_path / "m.gguf").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
     seen = []

@@ -5,11 +5,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from config import EngineConfig
-import schedlog
-from metrics import harms
-from scheduler import POLICIES, Request, RotaSched, Scheduler, Status, make_policy
-from sim import MODELS, CostModel, Hardware, run_policy, simulate
+from sched import POLICIES, Request, RotaSched, Scheduler, Status, make_policy
+from superinfer import EngineConfig
+from tools import schedlog
+from tools.sim import MODELS, CostModel, Hardware, run_policy, simulate
+from workload.metrics import harms
 
 
 def make_sched(policy, dev=64, host=256, bs=4, **kw):

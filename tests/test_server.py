@@ -10,9 +10,8 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from config import EngineConfig
-from server import create_app
-from superinfer import LLM, Engine, SamplingParams
+from serving.server import create_app
+from superinfer import Engine, EngineConfig, LLM, SamplingParams
 
 NAME = "smol"
 

@@ -1,11 +1,11 @@
 """sim.py: the cost model on hand-computed cases, determinism, scheduler invariants under it."""
 import pytest
 
-from config import EngineConfig
-from scheduler import Scheduler
-from sim import (MODELS, PROFILES, CostModel, Hardware, ModelSpec, main, poisson_requests,
-                 run_policy, simulate)
+from sched import Scheduler
+from superinfer import EngineConfig
 from test_sched import check_step
+from tools.sim import (MODELS, PROFILES, CostModel, Hardware, ModelSpec, main, poisson_requests,
+                       run_policy, simulate)
 
 
 def test_model_sizes():

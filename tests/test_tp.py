@@ -6,10 +6,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from config import EngineConfig
 from conftest import tiny_pair
-from superinfer import Engine, EngineError, LLM, SamplingParams
-from tp import split
+from parallel.tp import split
+from superinfer import Engine, EngineConfig, EngineError, LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SMALL = dict(block_size=8, num_device_blocks=8, num_host_blocks=256, max_num_seqs=8,

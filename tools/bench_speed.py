@@ -1,11 +1,11 @@
 """Speed next to HF transformers on the same weights, and the KV copy paths.
 
-    python bench_speed.py              decode tokens/s at batch 1/32/64 (ours fp32 and bf16, HF),
-                                       the engine on 32 x 64 greedy tokens vs HF generate_batch
-                                       and generate, GFLOP/s and GB/s against this machine's
-                                       measured peaks, and where a step's time goes
-    python bench_speed.py --copies     KV copies: per-layer per-block (vLLM v0) vs merged
-                                       block-first vs both directions at once, GB/s
+    python -m tools.bench_speed            decode tokens/s at batch 1/32/64 (ours fp32 and bf16,
+                                           HF), the engine on 32 x 64 greedy tokens vs HF
+                                           generate_batch and generate, GFLOP/s and GB/s against
+                                           this machine's measured peaks, where a step's time goes
+    python -m tools.bench_speed --copies   KV copies: per-layer per-block (vLLM v0) vs merged
+                                           block-first vs both directions at once, GB/s
 """
 from __future__ import annotations
 
@@ -16,13 +16,11 @@ import time
 
 import torch
 
-from config import EngineConfig
-from flags import Parser
 from kv import DuplexCopier, KVPools, block_bytes, copy_merged, copy_per_layer
-from loader import build_model, embedded_gguf_path, hf_reference, read_gguf
-from metrics import best_time
 from model import Seq, make_batch
-from superinfer import Engine, SamplingParams
+from superinfer import Engine, EngineConfig, Parser, SamplingParams
+from weights.loader import build_model, embedded_gguf_path, hf_reference, read_gguf
+from workload.metrics import best_time
 
 
 # ---------------------------------------------------------------- HF transformers as a baseline
@@ -268,7 +266,8 @@ def print_copies(r: dict) -> None:
 
 
 def main(argv=None) -> None:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m tools.bench_speed", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", action="store_true", help="the KV copy benchmark instead")
     ap.add_argument("--requests", type=int, default=32, help="requests in the engine benchmark")
     ap.add_argument("--output", type=int, default=64, help="tokens each generates")

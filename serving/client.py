@@ -12,8 +12,8 @@ import threading
 import time
 import urllib.parse
 
-from metrics import progress
-from workload import Item
+from workload.metrics import progress
+from workload.trace import Item
 
 
 def complete(base_url: str, model: str | None, prompt: list[int], max_tokens: int,

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from loader import load_model
+from kv import Runner
 from model import Llama, ModelConfig, rope_inv_freq
-from runner import Runner
+from weights.loader import load_model
 
 
 

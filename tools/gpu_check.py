@@ -1,7 +1,7 @@
 """One prepared check for a machine with a GPU: run it once, read one report.
 
-    python gpu_check.py --out gpu_report            (about 3-5 minutes on one H200)
-    python gpu_check.py --dry-run --out /tmp/dry    the same steps, small, on the CPU
+    python -m tools.gpu_check --out gpu_report            (about 3-5 minutes on one H200)
+    python -m tools.gpu_check --dry-run --out /tmp/dry    the same steps, small, on the CPU
 
 1. the CUDA tests (real streams; one holds the out stream back with torch.cuda._sleep);
 2. copy bandwidth of the engine's own paths, GB/s per direction and both at once, for merged
@@ -24,13 +24,12 @@ import time
 
 import torch
 
-from bench_speed import engine_run, offline_prompts, step_split
-from config import EngineConfig
 from kv import DuplexCopier, KVPools, block_bytes, copy_merged, copy_per_layer
-from loader import load_model, random_model
-from metrics import best_time
 from model import ModelConfig, Seq, make_batch
-from superinfer import LLM, Engine, SamplingParams
+from superinfer import LLM, Engine, EngineConfig, Parser, SamplingParams
+from tools.bench_speed import engine_run, offline_prompts, step_split
+from weights.loader import load_model, random_model
+from workload.metrics import best_time
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                         num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
@@ -118,8 +117,8 @@ def big_model_speed(cfg: ModelConfig, device: torch.device, dtype, batches) -> d
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m tools.gpu_check", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_report")
     ap.add_argument("--dry-run", action="store_true", help="small, on the CPU, to check the script")
     args = ap.parse_args(argv)

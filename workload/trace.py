@@ -8,15 +8,11 @@ import csv
 import os
 import random
 import statistics
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 
-TRACE_FILE = "azure_llm_2023_conv.csv"
-DEFAULT_TRACE = next((p for p in (  # the repository's copy, or where `pip install .` put it
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", TRACE_FILE),
-    os.path.join(sys.prefix, "share", "superinfer", "data", TRACE_FILE)) if os.path.exists(p)),
-    TRACE_FILE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACE = os.path.join(ROOT, "data", "azure_llm_2023_conv.csv")  # the repository's copy
 
 
 @dataclass(slots=True)
