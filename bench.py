@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import sys
 import time
@@ -31,13 +32,15 @@ from tools import bench_speed, sim
 from tools.schedlog import log_name
 from weights.loader import load_model, resolve_device
 from workload.metrics import plot, print_table, progress, summarize, verdict
-from workload.trace import (DEFAULT_TRACE, Item, Scaling, TraceError, describe_scaling, read_trace,
-                            synthetic_prompts, synthetic_workload, trace_workload, with_rate)
+from workload.trace import (DEFAULT_TRACE, WORKLOADS, Item, Scaling, TraceError, describe_scaling,
+                            read_trace, synthetic_prompts, synthetic_workload, trace_workload,
+                            with_rate)
 
 JSON_KEYS = ("policy", "rate", "num_requests", "ttft_attainment", "tbt_attainment", "goodput_req_s",
              "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "rotations",
              "bytes_moved")
 QUIET_TBT = 0.035   # unloaded decode step of the embedded model on a quiet 2-core machine, s
+DISTURBED = 0.15    # other processes using more of the CPUs than this during a run disturb it
 
 
 # ---------------------------------------------------------------- serving loops
@@ -111,21 +114,30 @@ def serve_hf(hf, cfg, items: list[Item], prompts: list[list[int]], label: str,
 
 # ---------------------------------------------------------------- workload and calibration
 
-def build_workload(args, vocab: int):
+def build_workload(args, vocab: int, repeat: int = 0):
+    """(items, prompts, description); repeat k takes seed + k and, from a trace, the k-th next
+    slice of it, so each repeat has fresh arrivals and prompts."""
+    seed, offset = args.seed + repeat, args.trace_offset + repeat * args.num_requests
+    burst = args.burstiness or 1.0
     if args.trace == "none":
-        items = synthetic_workload(args.num_requests, 1.0, args.burstiness, args.input_lens,
-                                   args.output_lens, args.seed)
+        items = synthetic_workload(args.num_requests, 1.0, burst, args.input_lens,
+                                   args.output_lens, seed)
         text = f"synthetic: prompt lengths {args.input_lens}, output lengths {args.output_lens}"
     else:
         rows = read_trace(args.trace)
-        scaling = Scaling(args.prompt_scale, args.output_scale, args.max_len, args.max_len,
-                          args.min_output)
-        items = trace_workload(rows, args.num_requests, args.trace_offset, scaling,
+        fp, fo = WORKLOADS[args.workload]
+        scaling = Scaling(args.prompt_scale * fp, args.output_scale * fo, args.max_len,
+                          args.max_len, args.min_output)
+        items = trace_workload(rows, args.num_requests, offset, scaling,
                                time_scale=args.time_scale or 1.0)
-        text = (f"trace {os.path.basename(args.trace)} requests [{args.trace_offset}, "
-                f"{args.trace_offset + args.num_requests}); "
-                + describe_scaling(rows, items, args.trace_offset, scaling))
-    return items, synthetic_prompts(items, vocab, args.seed), text
+        text = (f"{args.workload}: trace {os.path.basename(args.trace)} requests [{offset}, "
+                f"{offset + args.num_requests}); " + describe_scaling(rows, items, offset, scaling))
+        if args.burstiness is not None:  # the trace's lengths, gamma arrivals of that shape
+            gamma = synthetic_workload(len(items), 1.0, burst, [1], [1], seed)
+            items = [Item(g.arrival, i.prompt_len, i.output_len) for g, i in zip(gamma, items)]
+    if args.burstiness is not None:
+        text += f"; gamma arrivals, shape {burst:g} (CV {burst ** -0.5:.1f})"
+    return items, synthetic_prompts(items, vocab, seed), text
 
 
 def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
@@ -207,15 +219,17 @@ def bench_config(ap, args, **override):
 
 
 def run_serving(args, ap, results: list[dict]) -> None:
-    """Every (rate, policy) run, each finished row appended to `results` as it completes."""
+    """Every (repeat, rate, policy) run, each finished row appended to `results` as it
+    completes. The SLOs and the rates are calibrated once, on the first repeat's workload."""
     cfg = bench_config(ap, args, policy="fcfs")
     local = [p for p in args.policies if p != "openai"]
     model, tok = load_model(cfg.model, cfg.device, cfg.dtype) if local else (None, None)
     torch.manual_seed(args.seed)
-    items, prompts, text = build_workload(args, model.cfg.vocab_size if model else args.vocab_size)
+    vocab = model.cfg.vocab_size if model else args.vocab_size
+    items, prompts, text = build_workload(args, vocab)
     print(f"workload: {text}")
     size_pool(cfg, items, args, verbose=bool(local))
-    runs = len(args.policies) * max(1, len(args.rates or args.rate_factors))
+    runs = len(args.policies) * max(1, len(args.rates or args.rate_factors)) * args.repeat
     hf = bench_speed.hf_model(cfg.model) if "hf" in args.policies else None
     calibrator = runner("fcfs" if local else "openai", args, cfg, model, tok, hf, runs)
     ttft_slo, tbt_slo, sat = calibrate(calibrator, items, prompts, cfg, args)
@@ -223,15 +237,60 @@ def run_serving(args, ap, results: list[dict]) -> None:
     rates, n = choose_rates(args, items, sat)
     print(f"saturation {sat:.2f} req/s -> rates {rates}; {n} requests a run; {runs} runs of about "
           f"{n / max(sat, 1e-3):.0f} s each (each cut off at {2 * args.run_seconds:.0f} s)")
-    for rate in rates:
-        timed = with_rate(items[:n], rate)
-        for pol in args.policies:
-            run = runner(pol, args, cfg, model, tok, hf, runs)
-            recs, stats = run(timed, prompts, f"{pol} @ {rate:.2f} req/s", 2 * args.run_seconds,
-                              rate=rate)
-            results.append(row(pol, rate, recs, stats, ttft_slo, tbt_slo, args))
-            if args.validate_sim and pol not in ("hf", "openai"):
-                results[-1]["sim"] = validate_row(results[-1], timed, replace(cfg, policy=pol), pol)
+    base = settings(args, cfg, sat)
+    for k in range(args.repeat):
+        if k:
+            items, prompts, text = build_workload(args, vocab, k)
+            print(f"repeat {k + 1}/{args.repeat}: {text}")
+        for rate in rates:
+            timed = with_rate(items[:n], rate)
+            for pol in args.policies:
+                run = runner(pol, args, cfg, model, tok, hf, runs)
+                mark = cpu_mark()
+                recs, stats = run(timed, prompts, f"{pol} @ {rate:.2f} req/s",
+                                  2 * args.run_seconds, rate=rate)
+                stats["other_cpu"] = None if pol == "openai" else other_cpu_share(mark)
+                results.append(base | row(pol, rate, recs, stats, ttft_slo, tbt_slo, args)
+                               | {"repeat": k, "seed": args.seed + k,
+                                  "trace_offset": args.trace_offset + k * args.num_requests})
+                if args.validate_sim and pol not in ("hf", "openai"):
+                    results[-1]["sim"] = validate_row(results[-1], timed,
+                                                      replace(cfg, policy=pol), pol)
+
+
+def settings(args, cfg, sat: float) -> dict:
+    """What a result row was run with, so that it can be judged on its own."""
+    return {"hw": f"cpu: {platform.machine()}, {os.cpu_count()} cores, "
+                  f"{torch.get_num_threads()} torch threads",
+            "model": cfg.model or "SmolLM2-135M-Instruct (embedded)", "dtype": cfg.dtype,
+            "trace": "none" if args.trace == "none" else os.path.basename(args.trace),
+            "workload": args.workload, "burstiness": args.burstiness,
+            "prompt_scale": args.prompt_scale, "output_scale": args.output_scale,
+            "num_device_blocks": cfg.num_device_blocks, "num_host_blocks": cfg.num_host_blocks,
+            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "saturation_req_s": sat}
+
+
+def cpu_mark() -> tuple[float, float, float] | None:
+    """(wall, busy CPU seconds of the whole machine, CPU seconds of this process); None where
+    /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+    return time.perf_counter(), busy, t.user + t.system
+
+
+def other_cpu_share(mark) -> float | None:
+    """The share of all CPUs other processes used since `mark` (0.3 = 30% of the machine)."""
+    now = cpu_mark()
+    if mark is None or now is None or now[0] - mark[0] < 1.0:
+        return None
+    other = (now[1] - mark[1]) - (now[2] - mark[2])
+    return max(0.0, other / ((now[0] - mark[0]) * (os.cpu_count() or 1)))
 
 
 def row(pol, rate, recs, stats, ttft_slo, tbt_slo, args) -> dict:
@@ -239,10 +298,13 @@ def row(pol, rate, recs, stats, ttft_slo, tbt_slo, args) -> dict:
          "ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo}
     r |= {k: stats.get(k, 0) for k in ("rotations", "recomputes", "bytes_moved", "unfinished")}
     r["mean_step_ms"] = stats.get("mean_step_ms", math.nan)
+    r["other_cpu"] = stats.get("other_cpu")
+    r["disturbed"] = (r["other_cpu"] or 0) > DISTURBED
     cut = f", {r['unfinished']} cut off at the time cap" if r["unfinished"] else ""
+    busy = f", DISTURBED: others used {r['other_cpu']:.0%} of the CPUs" if r["disturbed"] else ""
     print(f"  {pol:<24} {rate:5.2f} req/s: TTFT att {r['ttft_attainment']:6.1%}  TBT att "
           f"{r['tbt_attainment']:6.1%}  {r['throughput_tok_s']:6.1f} tok/s  rotations "
-          f"{r['rotations']}  step {r['mean_step_ms']:.0f} ms{cut}", flush=True)
+          f"{r['rotations']}  step {r['mean_step_ms']:.0f} ms{cut}{busy}", flush=True)
     return r
 
 
@@ -283,6 +345,9 @@ def parse_args(argv):
     ap.add_argument("--tbt-slo-factor", type=float, default=5.0, help="TBT SLO / unloaded TBT")
     ap.add_argument("--tpot-slo", type=float, default=None, help="seconds, for goodput (TBT SLO)")
     ap.add_argument("--json", default=None, help="write one record per (policy, rate)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run everything N times, each with a fresh seed and the next slice of "
+                         "the trace; prints min / median / max of each figure")
     ap.add_argument("--plot", default=None, help="PNG of attainment vs rate per policy")
     ap.add_argument("--validate-sim", action="store_true",
                     help="also run each workload through sim.py's cpu profile")
@@ -315,21 +380,27 @@ def add_workload_flags(ap) -> None:
     ap.add_argument("--max-len", type=int, default=384, help="cap on scaled prompts and outputs")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="replay the trace's own timing stretched by this factor (not calibrated)")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="synthetic: gamma shape")
+    ap.add_argument("--workload", default="conv", choices=list(WORKLOADS),
+                    help="conv: the trace's lengths; prefill-heavy: prompts x4, outputs x0.1; "
+                         "decode-heavy: prompts x0.1, outputs x4 (before the scales below)")
+    ap.add_argument("--burstiness", type=float, default=None,
+                    help="gamma shape of the arrivals (1 = Poisson, 0.1 = bursty, CV 3.2); "
+                         "default: the trace's own timing, Poisson for synthetic")
     ap.add_argument("--input-lens", default="64,128,256", help="synthetic prompt lengths")
     ap.add_argument("--output-lens", default="32,64,128", help="synthetic output lengths")
     ap.add_argument("--seed", type=int, default=0)
 
 
 def check_args(ap, args) -> None:
-    for name in ("run_seconds", "prompt_scale", "output_scale", "pool_seqs", "burstiness",
+    for name in ("run_seconds", "prompt_scale", "output_scale", "pool_seqs",
                  "ttft_slo_factor", "tbt_slo_factor"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
-    for name, lo in (("num_requests", 1), ("trace_offset", 0), ("min_output", 1), ("max_len", 1)):
+    for name, lo in (("num_requests", 1), ("trace_offset", 0), ("min_output", 1), ("max_len", 1),
+                     ("repeat", 1)):
         if getattr(args, name) < lo:
             ap.error(f"--{name.replace('_', '-')} must be >= {lo}")
-    for name in ("ttft_slo", "tbt_slo", "tpot_slo", "time_scale"):
+    for name in ("ttft_slo", "tbt_slo", "tpot_slo", "time_scale", "burstiness"):
         if getattr(args, name, None) is not None and not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     try:
@@ -359,8 +430,9 @@ def check_args(ap, args) -> None:
             n = len(read_trace(args.trace))
         except TraceError as e:
             ap.error(str(e))
-        if args.trace_offset + args.num_requests > n:
-            ap.error(f"--trace-offset + --num-requests ({args.trace_offset + args.num_requests}) "
+        last = args.trace_offset + args.repeat * args.num_requests
+        if last > n:
+            ap.error(f"--trace-offset + --repeat x --num-requests ({last}) "
                      f"exceeds the trace's {n} requests")
     try:
         resolve_device(args.device)
@@ -386,17 +458,57 @@ def main(argv=None) -> None:
 
 
 def report(rows: list[dict], args) -> None:
-    """The table and the verdict of the finished runs; --json and --plot written from them."""
+    """The table and the verdict of the finished runs (per repeat), the spread over repeats;
+    --json (every row, and with --repeat one file per repeat too) and --plot from them."""
     if not rows:
         return
     print_table(rows, (rows[0]["ttft_slo_s"], rows[0]["tbt_slo_s"]))
-    for line in verdict(rows):
-        print(line)
+    repeats = sorted({r["repeat"] for r in rows})
+    for k in repeats:
+        for line in verdict([r for r in rows if r["repeat"] == k]):
+            print(f"repeat {k + 1}: {line}" if len(repeats) > 1 else line)
+    if len(repeats) > 1:
+        print_spread(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{k: r[k] for k in JSON_KEYS} | r for r in rows], f, indent=1)
+        dump(rows, args.json)
+        if len(repeats) > 1:
+            for k in repeats:
+                dump([r for r in rows if r["repeat"] == k], f"{args.json.removesuffix('.json')}"
+                                                             f".r{k + 1}.json")
     if args.plot:
         plot(rows, args.plot, "SuperInfer reference engine")
+
+
+def dump(rows: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([{k: r[k] for k in JSON_KEYS} | r for r in rows], f, indent=1)
+
+
+SPREAD = (("TTFT att", "ttft_attainment", 100, "%"), ("TBT att", "tbt_attainment", 100, "%"),
+          ("TBT p99", "tbt_p99_s", 1e3, " ms"), ("tok/s", "throughput_tok_s", 1, ""))
+
+
+def print_spread(rows: list[dict]) -> None:
+    """min / median / max over the repeats of each figure, per policy and rate (and the TTFT
+    attainment gain over fcfs in the same repeat)."""
+    print(f"\n== spread over {len({r['repeat'] for r in rows})} repeats: min / median / max ==")
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        for rate in sorted({r["rate"] for r in rows}):
+            mine = [r for r in rows if r["policy"] == pol and r["rate"] == rate]
+            if not mine:
+                continue
+            parts = [f"{name} " + " / ".join(f"{x * scale:.1f}" for x in spread(
+                [r[key] for r in mine])) + unit for name, key, scale, unit in SPREAD]
+            base = {r["repeat"]: r for r in rows if r["policy"] == "fcfs" and r["rate"] == rate}
+            gains = [100 * (r["ttft_attainment"] - base[r["repeat"]]["ttft_attainment"])
+                     for r in mine if r["repeat"] in base and pol != "fcfs"]
+            if gains:
+                parts.append("TTFT gain " + " / ".join(f"{g:+.1f}" for g in spread(gains)))
+            print(f"{pol:<24} {rate:6.2f}: " + "; ".join(parts))
+
+
+def spread(xs: list[float]) -> tuple[float, float, float]:
+    return min(xs), statistics.median(xs), max(xs)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ it launches a step's copies both ways, then the forward over the pools.
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -33,14 +33,17 @@ class KVError(ValueError):
 
 
 class BlockPool:
-    """One tier's blocks: a free list and who owns each used block."""
+    """One tier's blocks: who owns each used block, and the free blocks, oldest first, so a freed
+    block is handed out as late as possible. A free block may still hold the KV of the request
+    that parked it (`kept`); that request can take it back without a copy until it is reused."""
 
     def __init__(self, name: str, capacity: int):
         if capacity < 0:
             raise KVError(f"{name} pool: capacity must be >= 0, got {capacity}")
         self.name, self.capacity = name, capacity
-        self.free: deque[int] = deque(range(capacity))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity))
         self.owner: dict[int, str] = {}
+        self.kept: dict[int, tuple[str, int]] = {}  # free block -> (rid, index) it still holds
 
     @property
     def num_free(self) -> int:
@@ -49,10 +52,19 @@ class BlockPool:
     def allocate(self, rid: str, n: int) -> list[int]:
         if n > len(self.free):
             raise KVError(f"{self.name} pool: {rid} asks for {n} blocks, {len(self.free)} free")
-        blocks = [self.free.popleft() for _ in range(n)]
+        blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self.owner[b] = rid
+            self.kept.pop(b, None)
         return blocks
+
+    def reclaim(self, rid: str, b: int, index: int) -> bool:
+        """Take back free block b if it still holds rid's block `index`."""
+        if self.kept.get(b) != (rid, index) or b not in self.free:
+            return False
+        del self.free[b], self.kept[b]
+        self.owner[b] = rid
+        return True
 
     def release(self, rid: str, blocks: list[int], keep: set[int] = frozenset()) -> None:
         """Take blocks from rid; those in `keep` stay off the free list (the caller fences them)."""
@@ -62,7 +74,12 @@ class BlockPool:
                               f"but owned by {self.owner.get(b)}")
             del self.owner[b]
             if b not in keep:
-                self.free.append(b)
+                self.free[b] = None
+
+    def forget(self, rid: str, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.kept.get(b, ("",))[0] == rid:
+                del self.kept[b]
 
 
 @dataclass(slots=True)
@@ -72,6 +89,7 @@ class SeqKV:
     num_tokens: int = 0                                    # tokens that have a KV slot
     num_clean: int = 0        # logical blocks [0, num_clean) equal their host copy
     on_host: bool = False
+    kept: list[int] = field(default_factory=list)         # device blocks it had when parked
 
 
 @dataclass(slots=True)
@@ -85,10 +103,10 @@ class SwapOutEffect:
 
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 duplex: bool = True):
+                 duplex: bool = True, prealloc: int = 0):
         if block_size <= 0:
             raise KVError(f"block_size must be positive, got {block_size}")
-        self.block_size, self.duplex = block_size, duplex
+        self.block_size, self.duplex, self.prealloc = block_size, duplex, prealloc
         self.device = BlockPool("device", num_device_blocks)
         self.host = BlockPool("host", num_host_blocks)
         self.seqs: dict[str, SeqKV] = {}
@@ -151,6 +169,8 @@ class BlockManager:
         s = self.seqs.get(rid, SeqKV())
         assert not s.on_host, f"{rid} is parked on host"
         need = self.blocks_for(s.num_tokens + n) - len(s.block_table)
+        if need > 0:  # with preallocation a few more blocks than needed, as they are free
+            need = max(need, min(need + self.prealloc, self.device.num_free))
         new = self.device.allocate(rid, need) if need > 0 else []  # raises before any change
         self.seqs[rid] = s
         s.block_table += new
@@ -191,25 +211,40 @@ class BlockManager:
 
     # ------------------------------------------------------------ rotation
     def swap_out(self, rid: str) -> Pairs:
-        """Park rid on host: copy its dirty blocks, free (or fence) its device blocks."""
+        """Park rid on host: copy its dirty blocks, free (or fence) its device blocks. With
+        DuplexKV the freed blocks keep rid's KV until they are handed out again."""
         s = self.seq(rid)
         assert not s.on_host, f"{rid} is already on host"
         s.host_blocks += self.host.allocate(rid, self.swap_out_effect(rid).host_need)
-        n = len(s.block_table)
+        n = self.blocks_for(s.num_tokens)
         pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, n)]
         self._mark_busy(pairs)
         self._free_device(rid, s.block_table)
+        if self.duplex:
+            s.kept = s.block_table[:n]
+            self.device.kept.update((b, (rid, i)) for i, b in enumerate(s.kept))
         s.block_table, s.num_clean, s.on_host = [], n, True
         return pairs
 
+    def swap_in_copies(self, rid: str) -> int:
+        """Blocks a swap-in of rid would copy: those not still held, free, on the device."""
+        s = self.seq(rid)
+        return self.blocks_for(s.num_tokens) - sum(
+            1 for i, b in enumerate(s.kept) if self.device.kept.get(b) == (rid, i)
+            and b in self.device.free)
+
     def swap_in(self, rid: str) -> Pairs:
-        """Bring rid back to device: every block is copied; the host copy stays as its mirror."""
+        """Bring rid back to device: blocks it left there are taken back as they are, the others
+        copied; the host copy stays as its mirror."""
         s = self.seq(rid)
         assert s.on_host, f"{rid} is not on host"
         n = self.blocks_for(s.num_tokens)
-        s.block_table = self.device.allocate(rid, n)
-        pairs = list(zip(s.host_blocks[:n], s.block_table))
-        s.on_host, s.num_clean = False, n
+        back = {i for i, b in enumerate(s.kept) if self.device.reclaim(rid, b, i)}
+        new = iter(self.device.allocate(rid, n - len(back)))
+        s.block_table = [s.kept[i] if i in back else next(new) for i in range(n)]
+        self.device.forget(rid, s.kept)
+        pairs = [(s.host_blocks[i], s.block_table[i]) for i in range(n) if i not in back]
+        s.on_host, s.num_clean, s.kept = False, n, []
         if not self.duplex:  # vLLM v0: host blocks are freed once swapped back in, and reused
             self.host.release(rid, s.host_blocks, keep=set(s.host_blocks))  # after this epoch
             self.host_fenced += s.host_blocks
@@ -221,6 +256,7 @@ class BlockManager:
         s = self.seqs.pop(rid, None)
         if s is None:
             raise KVError(f"free of unknown request {rid!r} (never allocated, or freed twice)")
+        self.device.forget(rid, s.kept)
         self._free_device(rid, s.block_table)
         self.host.release(rid, s.host_blocks)
 
@@ -238,8 +274,8 @@ class BlockManager:
 
     def next_epoch(self) -> int:
         """Close the current epoch of planned copies; returns the one just closed."""
-        self.host.free.extend(self.host_fenced)  # v0 copies of an epoch all land before the next
-        self.host_fenced = []
+        self.host.free.update(dict.fromkeys(self.host_fenced))  # v0: an epoch's copies land
+        self.host_fenced = []                                    # before the next one
         self.epoch += 1
         return self.epoch - 1
 
@@ -247,14 +283,14 @@ class BlockManager:
         """Every copy planned in epochs <= epoch (all, if None) has completed."""
         self.landed = max(self.landed, self.epoch - 1 if epoch is None else epoch)
         if epoch is None:
-            self.host.free.extend(self.host_fenced)
+            self.host.free.update(dict.fromkeys(self.host_fenced))
             self.host_fenced = []
         done = [b for b, e in self.busy.items() if epoch is None or e <= epoch]
         for b in done:
             del self.busy[b]
             if b in self.fenced:
                 self.fenced.discard(b)
-                self.device.free.append(b)
+                self.device.free[b] = None
 
     # ------------------------------------------------------------ invariants
     def check(self) -> None:
@@ -264,6 +300,7 @@ class BlockManager:
             assert not free & set(pool.owner), f"{pool.name}: a block is both free and owned"
         fenced = self.fenced
         assert not fenced & set(self.device.free) and not fenced & set(self.device.owner)
+        assert not set(self.device.kept) & set(self.device.owner), "a kept block is in use"
         assert self.device.num_free + len(self.device.owner) + len(fenced) == self.device.capacity
         host_used = len(self.host.owner) + len(self.host_fenced)
         assert self.host.num_free + host_used == self.host.capacity

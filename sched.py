@@ -130,6 +130,8 @@ class Policy:
     xfer_cap = "all"             # what B_xfer caps: "all" moves, "proactive" swap-outs, "none"
     rotates = False              # may rotate running requests out to admit a candidate
     one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
+    prealloc_tokens = 0          # slots allocated ahead when a request needs a new block
+    PARAMS: dict[str, type] = {}  # what 'name:key=value' may set
 
     def rank(self, r: Request, now: float) -> tuple:
         """Smaller is more urgent."""
@@ -144,6 +146,10 @@ class Policy:
     def victim(self, s: Scheduler, r: Request, now: float) -> Request:
         """The running request to preempt when r cannot get a block (r itself when none)."""
         return s.running[-1]
+
+    def strict(self, c: Request) -> bool:
+        """Does a candidate that cannot start hold back the ones behind it?"""
+        return True
 
     def before_run(self, s: Scheduler, plan: StepPlan, now: float) -> None:
         """Proactive work before the running requests are scheduled (none by default)."""
@@ -182,24 +188,36 @@ class RotaSched(Policy):
         running  -(now - t_admitted)
     alpha weighs the rotary lag (alpha_on="rotary", DESIGN.md's reading) or the waiting one
     (alpha_on="waiting"); our sources do not settle which. The lag is clamped at 0 for ranking
-    (the ReLU), so not-yet-due requests tie and go in arrival order; a candidate may take room
-    from rotations only once its signed lag is >= 0 (it is due). If every queued request fits,
-    it is FCFS. Ours, not the paper's, each a named parameter:
-      bound    a parked request whose token gap reached `bound` TBT SLOs goes first, and no new
-               request rotates anyone out meanwhile (0 = off, the default);
-      quantum  seconds a request must run before it may be rotated out (0 = off, the default).
+    (the ReLU), so not-yet-due requests tie and go in arrival order. If every queued request
+    fits, it is FCFS. Victims are decodes before mid-prefill requests, the longest-running
+    first (the paper's tail of the VLT order). Ours, not the paper's, each a named parameter:
+      rotations  a request is rotated out for others at most this many times (0 = no limit):
+                 each rotation is one long token gap, so this bounds how many a request sees;
+      back       "free": a rotated-out request comes back into free room only, without rotating
+                 others out (and does not hold up the queue while it waits); "rotate": it may
+                 displace running requests like a new one (LVF as DESIGN.md reads it);
+      gate       "any": a waiting request that does not fit may rotate others out (the paper's
+                 "admit while VLT >= 0" with the ReLU); "due": only once its signed lag is >= 0;
+      quantum    seconds a request must run before it may be rotated out (0 = off).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
+    CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("free", "rotate"),
+               "gate": ("any", "due")}
+    PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
+              "rotations": float, "back": str, "gate": str, "quantum": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
-                 alpha_on: str = "rotary", quantum: float = 0.0, bound: float = 0.0,
-                 duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
-        if alpha_on not in ("rotary", "waiting"):
-            raise ValueError(f"alpha_on must be 'rotary' or 'waiting', got {alpha_on!r}")
+                 alpha_on: str = "rotary", rotations: float = 2, back: str = "free",
+                 gate: str = "any", quantum: float = 0.0, duplex: bool = True,
+                 ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+        for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate)):
+            if value not in self.CHOICES[key]:
+                raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
+                                 f"got {value!r}")
         self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
-        self.quantum, self.bound, self.duplex = quantum, bound, duplex
-        self.ttft_slo, self.tbt_slo = ttft_slo, tbt_slo
+        self.rotations, self.back, self.gate = int(rotations), back, gate
+        self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -216,14 +234,8 @@ class RotaSched(Policy):
         lag = self.lag(r, now)
         return lag if r.status is Status.RUNNING else max(0.0, lag)
 
-    def overdue(self, r: Request, now: float) -> bool:
-        """A rotary request whose token gap reached `bound` TBT SLOs goes ahead of the rest."""
-        slo = r.tbt_slo or self.tbt_slo
-        gap = now - r.t_last_token
-        return bool(self.bound) and r.status is Status.ROTARY and gap >= self.bound * slo
-
     def rank(self, r, now):
-        return (not self.overdue(r, now), -self.vlt(r, now), r.arrival, r.seq)
+        return (-self.vlt(r, now), r.arrival, r.seq)
 
     def queues(self, s, plan, now):
         queued = s.waiting + s.rotary
@@ -231,27 +243,31 @@ class RotaSched(Policy):
             return [sorted(queued, key=lambda r: (r.arrival, r.seq))]
         return [sorted(queued, key=lambda r: self.rank(r, now))]
 
+    def strict(self, c: Request) -> bool:
+        return not (self.back == "free" and c.status is Status.ROTARY)
+
     def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
-        """Running requests are rotated out only for a candidate whose lag is due, and (with a
-        bound) not for a new request while a parked one is overdue."""
-        if self.overdue(c, now):
-            return True
-        if c.status is Status.WAITING and any(self.overdue(r, now) for r in s.rotary):
+        if c.status is Status.ROTARY and self.back == "free":
             return False
-        return self.lag(c, now) >= 0
+        return self.gate == "any" or self.lag(c, now) >= 0
+
+    def spent(self, v: Request) -> bool:
+        """Has v been rotated out as often as it may be?"""
+        return bool(self.rotations) and v.rotations >= self.rotations
 
     def victims(self, s: Scheduler, plan: StepPlan, now: float) -> list[Request]:
-        """Running requests that may be rotated out, first choice first: decodes before
-        mid-prefill requests, then the longest-running. A victim must have made progress since it
-        was admitted (no livelock), have run a full time slice, and be able to come back within
-        one step's transfer budget."""
-        ok = [v for v in s.running if v.tokens_since_admit > 0 and now - v.t_admitted >=
-              self.quantum and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
+        """Running requests that may be rotated out, first choice first. A victim must have made
+        progress since it was admitted (no livelock), have run a full time slice, have rotations
+        left, and be able to come back within one step's transfer budget."""
+        ok = [v for v in s.running if v.tokens_since_admit > 0 and not self.spent(v)
+              and now - v.t_admitted >= self.quantum
+              and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
         return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
 
     def victim(self, s, r, now):
         others = [v for v in s.running if v is not r and v.tokens_since_admit > 0]
-        return min(others, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq), default=r)
+        return min(others, key=lambda v: (self.spent(v), not v.in_decode, self.lag(v, now),
+                                          v.seq), default=r)
 
 
 class RotaSchedReleased(Policy):
@@ -264,15 +280,19 @@ class RotaSchedReleased(Policy):
     - reactive: the last-admitted running request is swapped out; no admissions in a step with a
       reactive preemption unless it also had proactive ones;
     - new requests wait while host KV usage is above 90%; one partial prefill at a time (their
-      vLLM V1); every full block written back eagerly, uncapped; no time slice.
+      vLLM V1); every full block written back eagerly, uncapped; no time slice;
+    - `prealloc` tokens of blocks (64) taken ahead whenever a request needs a new block; a
+      swapped-out request's device blocks keep its KV until reused and a swap-in copies only
+      the others (their prefix cache; our block accounting does this for every DuplexKV policy).
     Ours: their engine runs a request in the step that swaps it in; ours one step later (its copy
     under the step's forward), so a request is not swapped out again before it has run.
     """
     name, preempt, duplex, xfer_cap = "rotasched-released", "swap", True, "proactive"
     one_partial_prefill = True
+    PARAMS = {"prealloc": float}
 
-    def __init__(self, duplex: bool = True):
-        self.duplex = duplex
+    def __init__(self, duplex: bool = True, prealloc: float = 64):
+        self.duplex, self.prealloc_tokens = duplex, int(prealloc)  # their KVCacheManager's
 
     def rank(self, r, now):
         return (r.t_queued, r.seq)
@@ -307,8 +327,6 @@ class RotaSchedReleased(Policy):
 
 
 POLICIES = {p.name: p for p in (Policy, FcfsSwap, PriorityPolicy, RotaSched, RotaSchedReleased)}
-ROTASCHED_PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "quantum": float,
-                    "bound": float, "alpha_on": str}
 
 
 def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Policy:
@@ -320,14 +338,14 @@ def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Polic
     cls, params = POLICIES[name], {}
     for item in filter(None, args.split(",")):
         key, eq, value = item.partition("=")
-        if item == "per-layer" and cls in (RotaSched, RotaSchedReleased):
+        if item == "per-layer" and cls.duplex:
             params["duplex"] = False
-        elif cls is RotaSched and eq and key in ROTASCHED_PARAMS:
-            params[key] = parse_param(spec, key, value, ROTASCHED_PARAMS[key])
+        elif eq and key in cls.PARAMS:
+            params[key] = parse_param(spec, key, value, cls.PARAMS[key])
         else:
-            allowed = "alpha=, beta_f=, beta_b=, alpha_on=, quantum=, bound=, per-layer"
-            takes = {RotaSched: allowed, RotaSchedReleased: "per-layer"}.get(cls, "nothing")
-            raise ValueError(f"policy {spec!r}: cannot read {item!r} ({name} takes {takes})")
+            takes = ", ".join([f"{k}=" for k in cls.PARAMS] + ["per-layer"] * cls.duplex)
+            raise ValueError(f"policy {spec!r}: cannot read {item!r} ({name} takes "
+                             f"{takes or 'nothing'})")
     if cls is RotaSched:
         return cls(**params, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
     return cls(**params)
@@ -371,7 +389,8 @@ class Scheduler:
     def create(cls, cfg, num_device_blocks: int, num_host_blocks: int) -> "Scheduler":
         """The policy cfg names, over a block manager of the given pool sizes."""
         policy = make_policy(cfg.policy, cfg.ttft_slo, cfg.tbt_slo)
-        bm = BlockManager(num_device_blocks, num_host_blocks, cfg.block_size, policy.duplex)
+        bm = BlockManager(num_device_blocks, num_host_blocks, cfg.block_size, policy.duplex,
+                          -(-policy.prealloc_tokens // cfg.block_size))
         return cls(bm, policy, cfg)
 
     # ------------------------------------------------------------ requests in and out
@@ -456,7 +475,8 @@ class Scheduler:
         return True
 
     def _admit(self, plan: StepPlan, queue: list[Request], now: float) -> None:
-        """Step 2: admit or rotate in, in order, until one does not fit."""
+        """Step 2: admit or rotate in, in order, until one does not fit (and the policy holds
+        the ones behind it back)."""
         for c in queue:
             if self._budget <= 0 or self._partial_prefill(plan):
                 return
@@ -466,7 +486,9 @@ class Scheduler:
                 continue  # its copy out is in flight: not back in the same step
             victims = self._victims_for(plan, c, now)
             if victims is None:
-                return
+                if self.policy.strict(c):
+                    return
+                continue
             for v in victims:
                 self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
             self._start(plan, c, now)
@@ -502,7 +524,7 @@ class Scheduler:
         n = self._first_chunk(c, cost.budget)
         moves = cost.moves
         if c.status is Status.ROTARY:
-            moves += self.bm.num_blocks(c.rid)
+            moves += self.bm.swap_in_copies(c.rid)
         elif n == 0 or (victims and c.num_computed + n < c.num_tokens):
             return False  # a new request computes when admitted; a rotation buys its first token
         return (self.bm.blocks_for(c.num_computed + n) <= cost.room
@@ -514,16 +536,18 @@ class Scheduler:
 
     def _first_chunk(self, c: Request, budget: int) -> int:
         """Tokens c computes in the step it is started: none for a swap-in that overlaps compute
-        (it joins at the next step, its copy under this step's forward)."""
-        if c.status is Status.ROTARY and self.overlap:
+        (it joins at the next step, its copy under this step's forward) unless nothing needs
+        copying (every block it left on the device is still there)."""
+        if c.status is Status.ROTARY and self.overlap and self.bm.swap_in_copies(c.rid):
             return 0
         return min(c.num_tokens - c.num_computed, budget)
 
     def _start(self, plan: StepPlan, c: Request, now: float) -> None:
         n = self._first_chunk(c, self._budget)
         if c.status is Status.ROTARY:
-            self._count_moves(self.bm.num_blocks(c.rid), proactive=False)
-            plan.swap_in += self.bm.swap_in(c.rid)
+            pairs = self.bm.swap_in(c.rid)
+            self._count_moves(len(pairs), proactive=False)
+            plan.swap_in += pairs
             self.rotary.remove(c)
             plan.rotated_in.append(c.rid)
         else:

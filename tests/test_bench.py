@@ -123,4 +123,10 @@ def test_verdict_names_the_best_rotating_policy_and_flags_harm():
     calm = verdict([row("fcfs", 1.0, 0.95, 0.2, 30), row("rotasched", 1.0, 0.95, 0.2, 30)])
     assert any("no KV pressure" in x for x in calm)
     assert harms(row("fcfs", 0.95, 0.9, 0.2, 30), row("rotasched", 0.85, 0.9, 0.2, 27)) == [
-        "TTFT attainment -10.0 points", "throughput -10.0%"]
+        "throughput -10.0%", "TTFT attainment -10.0 points vs fcfs"]
+    ours = row("rotasched", 0.9, 0.8, 0.5, 30) | {"tbt_slo_s": 0.6}   # a pause within the SLO
+    assert harms(row("fcfs", 0.9, 0.9, 0.2, 30), ours, row("fcfs-swap", 0.95, 0.9, 0.2, 30)) == [
+        "TBT attainment -10.0 points", "TTFT attainment -5.0 points vs fcfs-swap"]
+    noisy = verdict([row("fcfs", 0.3, 0.9, 0.5, 30) | {"disturbed": True},
+                     row("rotasched", 0.6, 0.88, 0.6, 31)])
+    assert len(noisy) == 1 and "DISTURBED" in noisy[0] and "points" not in noisy[0]

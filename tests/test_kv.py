@@ -1,6 +1,6 @@
 """kv.py: block accounting invariants, bitwise swap round trips, duplex safety, errors."""
 import random
-from collections import deque
+from collections import OrderedDict, deque
 
 import pytest
 import torch
@@ -123,7 +123,7 @@ def test_swap_out_then_in_restores_bytes(bs, layers, kvh, hd, lens, duplex, seed
     copier = DuplexCopier(pools, duplex=duplex)
     rng_ids = list(range(need + 4))
     rng.shuffle(rng_ids)
-    bm.device.free = deque(rng_ids)  # scattered physical ids
+    bm.device.free = OrderedDict.fromkeys(rng_ids)  # scattered physical ids
     rids = [f"r{i}" for i in range(len(lens))]
     for rid, n in zip(rids, lens):
         first = rng.randint(1, n)
@@ -141,7 +141,11 @@ def test_swap_out_then_in_restores_bytes(bs, layers, kvh, hd, lens, duplex, seed
         pairs = bm.swap_out(rid)  # plan in the current epoch, then close it
         copier.submit(bm.next_epoch(), pairs, [])
         bm.copies_done(copier.completed_epoch())
-    pools.device.normal_()  # the device pool is reused by others meanwhile
+    # others reuse part of the device pool meanwhile (a free block is written only once it is
+    # handed out again); the blocks nobody took still hold their KV and come back without a copy
+    other = bm.device.allocate("other", rng.randint(0, bm.device.num_free))
+    pools.device[other].normal_()
+    bm.device.release("other", other)
     for rid in reversed(rids):
         pairs = bm.swap_in(rid)
         copier.submit(bm.next_epoch(), [], pairs)
@@ -165,6 +169,52 @@ def test_rotate_out_copies_only_dirty_blocks():
     bm.append("a", 1)                                    # dirties only the partial block
     e = bm.swap_out_effect("a")
     assert (e.host_need, e.copies) == (0, 1)
+
+
+def test_a_parked_request_takes_back_the_device_blocks_nobody_reused():
+    bm = BlockManager(8, 8, 4)
+    bm.append("a", 10)                                   # device blocks 0, 1, 2
+    bm.swap_out("a")
+    bm.next_epoch()
+    bm.copies_done()
+    assert bm.device.num_free == 8 and bm.swap_in_copies("a") == 0
+    assert bm.swap_in("a") == [] and bm.block_table("a") == [0, 1, 2]  # nothing to copy
+    bm.swap_out("a")
+    bm.next_epoch()
+    bm.copies_done()
+    bm.append("b", 24)                                   # the 6 oldest free blocks: 3..7, 0
+    bm.free("b")                                         # block 0 was written by b meanwhile
+    assert bm.swap_in_copies("a") == 1
+    pairs = bm.swap_in("a")
+    assert pairs == [(bm.seqs["a"].host_blocks[0], 3)] and bm.block_table("a") == [3, 1, 2]
+    bm.check()
+
+
+def test_a_finished_request_leaves_nothing_to_take_back():
+    """Its kept blocks are forgotten, so a later request of the same id copies everything."""
+    bm = BlockManager(8, 8, 4)
+    bm.append("a", 8)
+    bm.swap_out("a")
+    bm.next_epoch()
+    bm.copies_done()
+    bm.free("a")
+    assert not bm.device.kept
+    bm.append("a", 8)
+    bm.writeback("a", 8, limit=8)
+    bm.check()
+
+
+def test_preallocation_takes_spare_blocks_and_parks_only_the_used_ones():
+    bm = BlockManager(16, 16, 4, prealloc=4)
+    bm.append("a", 5)                                    # 2 blocks needed, 4 more taken
+    assert len(bm.block_table("a")) == 6 and bm.new_blocks_needed("a", 15) == 0
+    assert len(bm.swap_out("a")) == 2                    # the spare blocks hold nothing
+    bm.next_epoch()
+    bm.copies_done()
+    assert bm.device.num_free == 16
+    bm.swap_in("a")
+    assert len(bm.block_table("a")) == 2
+    bm.check()
 
 
 def test_fenced_blocks_not_reused_until_copy_done():

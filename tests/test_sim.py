@@ -4,7 +4,7 @@ import pytest
 from sched import Scheduler
 from superinfer import EngineConfig
 from test_sched import check_step
-from tools.sim import (MODELS, PROFILES, CostModel, Hardware, ModelSpec, main, poisson_requests,
+from tools.sim import (MODELS, PROFILES, CostModel, Hardware, ModelSpec, main, requests_at,
                        run_policy, simulate)
 
 
@@ -44,10 +44,10 @@ def test_merged_vs_per_layer_transfer():
 def test_simulation_is_deterministic():
     c = CostModel(MODELS["llama-3-8b"], PROFILES["h100-pcie"])
     lengths = [(500, 100), (2000, 300), (100, 20)]
-    reqs = poisson_requests(20.0, 10.0, lengths, seed=3)
+    reqs = requests_at(20.0, 10.0, lengths, seed=3)
     cfg = EngineConfig(max_num_seqs=1024, max_num_batched_tokens=8192)
     a = run_policy("rotasched", reqs, c, cfg)
-    b = run_policy("rotasched", poisson_requests(20.0, 10.0, lengths, seed=3), c, cfg)
+    b = run_policy("rotasched", requests_at(20.0, 10.0, lengths, seed=3), c, cfg)
     assert a == b and a["num_requests"] == len(reqs)
 
 
@@ -57,7 +57,7 @@ def test_invariants_hold_under_the_cost_model(policy):
     cfg = EngineConfig(policy=policy, max_num_seqs=64, max_num_batched_tokens=1024, ttft_slo=2.0,
                        xfer_budget=200)
     s = Scheduler.create(cfg, 400, 4000)               # a small pool so that rotation happens
-    reqs = poisson_requests(40.0, 5.0, [(300, 200), (1500, 100), (50, 400)], seed=1)
+    reqs = requests_at(40.0, 5.0, [(300, 200), (1500, 100), (50, 400)], seed=1)
     done, rejected = simulate(s, reqs, lambda plan: c.step_time(plan, s.policy.duplex),
                               on_step=lambda plan, now: check_step(s, plan))
     assert len(done) == len(reqs) and not rejected

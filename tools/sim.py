@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -26,7 +27,8 @@ from sched import Request, Scheduler, StepPlan
 from superinfer import ConfigError, EngineConfig, Parser
 from tools.schedlog import log_name
 from workload.metrics import best_time, plot, print_table, summarize, verdict
-from workload.trace import DEFAULT_TRACE, TraceError, poisson_arrivals, read_trace
+from workload.trace import (DEFAULT_TRACE, WORKLOADS, TraceError, random_arrivals, read_trace,
+                            reshape)
 
 MAX_REQUESTS = 200_000   # a run larger than this is cut short (with a message)
 
@@ -54,7 +56,7 @@ def simulate(sched: Scheduler, requests: list[Request], step_time: Callable[[Ste
                 now = max(now, pending[i].arrival)
             continue
         plan = sched.schedule(now)
-        if not plan.chunks and not plan.blocks_moved and not sched.bm.num_fenced:
+        if not (plan.chunks or plan.blocks_moved or plan.rotated_in or sched.bm.num_fenced):
             sched.update(plan, {}, now)
             if i == len(pending):
                 raise Stuck(f"step {steps}: nothing scheduled, {len(sched.waiting)} waiting, "
@@ -284,9 +286,11 @@ def azure_lengths(path: str | None = None) -> list[tuple[int, int]]:
     return [(c, g) for _, c, g in read_trace(path or DEFAULT_TRACE)]
 
 
-def poisson_requests(rate: float, duration: float, lengths, seed: int,
-                     max_len: int | None = None) -> list[Request]:
-    items = poisson_arrivals(rate, duration, lengths, seed, max_len, MAX_REQUESTS)
+def requests_at(rate: float, duration: float, lengths, seed: int, max_len: int | None = None,
+                burstiness: float = 1.0) -> list[Request]:
+    """Requests arriving at `rate` for `duration` seconds (gamma inter-arrivals of shape
+    `burstiness`, 1 = Poisson), lengths drawn from `lengths`."""
+    items = random_arrivals(rate, duration, lengths, seed, max_len, MAX_REQUESTS, burstiness)
     return [Request(f"r{i}", it.prompt_len, it.output_len, it.arrival)
             for i, it in enumerate(items)]
 
@@ -338,7 +342,7 @@ def knee_rate(cost: CostModel, lengths, cfg: EngineConfig, duration: float, seed
     """The lowest rate (to 2%) at which fcfs's TTFT attainment falls below `below`."""
     lo, hi = 0.0, saturation_rate(cost, lengths, seed, cfg)
     def attained(rate):
-        reqs = poisson_requests(rate, duration, lengths, seed, max_len)
+        reqs = requests_at(rate, duration, lengths, seed, max_len)
         return run_policy("fcfs", reqs, cost, cfg)["ttft_attainment"]
     while attained(hi) >= below:
         lo, hi = hi, 2 * hi
@@ -365,7 +369,7 @@ def paper_table(args, cfg: EngineConfig, lengths, rows: list[dict]) -> None:
         for model in ("llama-3-8b", "qwen2.5-32b"):
             cost = CostModel(MODELS[model], PROFILES[hw], cfg.block_size)
             rate = knee_rate(cost, lengths, cfg, args.duration, args.seed, args.max_len)
-            reqs = poisson_requests(rate, args.duration, lengths, args.seed, args.max_len)
+            reqs = requests_at(rate, args.duration, lengths, args.seed, args.max_len)
             base = None
             for pol in PAPER_POLICIES:
                 row = run_policy(pol, reqs, cost, cfg) | {"rate": rate, "hw": hw, "model": model}
@@ -391,10 +395,16 @@ def parse_args(argv):
                          "'rotasched:alpha=1,quantum=0.5' sets parameters (';' between them then)")
     ap.add_argument("--rates", default=None, help="request rates (req/s; default: calibrated)")
     ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5")
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of Poisson arrivals")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--tbt-slo", type=float, default=0.1)
     ap.add_argument("--trace", default=None, help="Azure-format trace for the length distribution")
+    ap.add_argument("--workload", default="conv", choices=list(WORKLOADS),
+                    help="conv: the trace's lengths; prefill-heavy: prompts x4, outputs x0.1; "
+                         "decode-heavy: prompts x0.1, outputs x4")
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the inter-arrival times: 1 = Poisson, 0.1 = bursty "
+                         "(coefficient of variation 3.2)")
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
@@ -415,7 +425,7 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.authors_limits:
         args.max_num_seqs = args.max_batched_tokens = 16384
-    for name in ("duration", "ttft_slo", "tbt_slo"):
+    for name in ("duration", "ttft_slo", "tbt_slo", "burstiness"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if args.max_len < 2:
@@ -441,7 +451,7 @@ def main(argv=None) -> None:
                            tbt_slo=args.tbt_slo, swap_in_overlap=overlap)
         for pol in args.policies:
             EngineConfig(policy=pol)
-        lengths = azure_lengths(args.trace)
+        lengths = reshape(azure_lengths(args.trace), args.workload)
         hw = cpu_profile() if args.hw == "cpu" else PROFILES[args.hw]
         model = MODELS["smollm2-135m"] if args.hw == "cpu" else MODELS[args.model]
         cost = CostModel(model, hw, cfg.block_size, tp=args.tp)
@@ -462,11 +472,22 @@ def main(argv=None) -> None:
         plot(rows, args.plot, f"simulated {cost.hw.name}, {cost.m.name}")
 
 
+def settings(args, cost: CostModel, cfg: EngineConfig) -> dict:
+    """What a result row was run with, so that it can be judged on its own."""
+    return {"hw": cost.hw.name, "model": cost.m.name, "tp": cost.tp, "workload": args.workload,
+            "burstiness": args.burstiness, "trace": os.path.basename(args.trace or DEFAULT_TRACE),
+            "arrivals_s": args.duration, "seed": args.seed, "ttft_slo_s": cfg.ttft_slo,
+            "tbt_slo_s": cfg.tbt_slo, "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "xfer_budget": cfg.xfer_budget, "swap_in_overlap": cfg.swap_in_overlap,
+            "device_blocks": cost.device_blocks, "host_blocks": cost.host_blocks}
+
+
 def sweep(args, cfg: EngineConfig, cost: CostModel, lengths, rows: list[dict]) -> None:
     print(f"simulated {args.tp} x {cost.hw.name}: {cost.m.name}, {cost.device_blocks} device / "
           f"{cost.host_blocks} host KV blocks of {cost.block_bytes / 2**20:.1f} MiB; SLOs TTFT "
-          f"{cfg.ttft_slo}s, TBT {cfg.tbt_slo * 1e3:.0f}ms; Azure conversation lengths, Poisson "
-          f"arrivals over {args.duration:.0f}s")
+          f"{cfg.ttft_slo}s, TBT {cfg.tbt_slo * 1e3:.0f}ms; {args.workload} lengths from the Azure "
+          f"trace, arrivals of burstiness {args.burstiness:g} over {args.duration:.0f}s")
     t = time.perf_counter()
     rates = args.rates
     if rates is None:
@@ -474,7 +495,7 @@ def sweep(args, cfg: EngineConfig, cost: CostModel, lengths, rows: list[dict]) -
         rates = [round(sat * f, 2) for f in args.rate_factors]
         print(f"saturation {sat:.2f} req/s -> rates {rates}")
     for rate in rates:
-        reqs = poisson_requests(rate, args.duration, lengths, args.seed, args.max_len)
+        reqs = requests_at(rate, args.duration, lengths, args.seed, args.max_len, args.burstiness)
         if len(reqs) >= MAX_REQUESTS:
             print(f"rate {rate}: capped at {MAX_REQUESTS} requests "
                   f"({reqs[-1].arrival:.0f} of {args.duration:.0f} s)")
@@ -483,8 +504,8 @@ def sweep(args, cfg: EngineConfig, cost: CostModel, lengths, rows: list[dict]) -
             continue
         for pol in args.policies:
             log = log_name(args.log, pol, rate, len(rates) * len(args.policies))
-            row = run_policy(pol, reqs, cost, cfg, log=log) | {"rate": rate, "hw": cost.hw.name,
-                                                                "model": cost.m.name}
+            row = run_policy(pol, reqs, cost, cfg, log=log) | {"rate": rate} | settings(args, cost,
+                                                                                         cfg)
             rows.append(row)
             print(f"  {pol:<28} rate {rate:6.2f}: TTFT att {row['ttft_attainment']:6.1%}  TBT att "
                   f"{row['tbt_attainment']:6.1%}  {row['throughput_tok_s']:8.0f} tok/s  step "

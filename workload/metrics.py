@@ -92,21 +92,25 @@ def print_table(rows: list[dict], slos: tuple[float, float], title: str = "Servi
 
 # ---------------------------------------------------------------- the verdict
 
-def harms(base: dict, row: dict) -> list[str]:
-    """Ways a rotating policy did worse than fcfs beyond noise: TBT p99 above 2x fcfs's; and,
-    where fcfs met the TTFT SLO or nothing was KV-bound, attainment 5 points or throughput 5%
-    below fcfs's."""
+def harms(base: dict, row: dict, swap: dict | None = None) -> list[str]:
+    """Where a rotating policy breaks the claim's do-no-harm rules against fcfs (base) and, if
+    given, fcfs-swap on the same arrivals: TBT attainment more than 5 points below fcfs's; TBT
+    p99 above both 2x fcfs's and the TBT SLO (a pause within the SLO is what rotation may
+    spend); throughput below 95% of fcfs's; TTFT attainment more than 2 points below either."""
     out = []
-    if row["tbt_p99_s"] > 2 * base["tbt_p99_s"]:
+    slo = row.get("tbt_slo_s") or 0.0
+    if row["tbt_p99_s"] > max(2 * base["tbt_p99_s"], slo):
         out.append(f"TBT p99 {row['tbt_p99_s'] * 1e3:.0f} ms is "
                    f"{row['tbt_p99_s'] / base['tbt_p99_s']:.1f}x fcfs's")
-    calm = base["ttft_attainment"] >= 0.9 or not kv_pressure(base, row)
-    if calm:
-        for key, name in (("ttft_attainment", "TTFT"), ("tbt_attainment", "TBT")):
-            if row[key] < base[key] - 0.05:
-                out.append(f"{name} attainment {100 * (row[key] - base[key]):+.1f} points")
-        if row["throughput_tok_s"] < 0.95 * base["throughput_tok_s"]:
-            out.append(f"throughput {row['throughput_tok_s'] / base['throughput_tok_s'] - 1:+.1%}")
+    if row["tbt_attainment"] < base["tbt_attainment"] - 0.05:
+        out.append(f"TBT attainment {100 * (row['tbt_attainment'] - base['tbt_attainment']):+.1f}"
+                   " points")
+    if row["throughput_tok_s"] < 0.95 * base["throughput_tok_s"]:
+        out.append(f"throughput {row['throughput_tok_s'] / base['throughput_tok_s'] - 1:+.1%}")
+    for other in (base, swap):
+        if other is not None and row["ttft_attainment"] < other["ttft_attainment"] - 0.02:
+            d = 100 * (row["ttft_attainment"] - other["ttft_attainment"])
+            out.append(f"TTFT attainment {d:+.1f} points vs {other['policy']}")
     return out
 
 
@@ -116,12 +120,19 @@ def kv_pressure(base: dict, row: dict) -> bool:
 
 
 def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
-    """Per rate: the best rotating policy against fcfs, and whether rotation had work to do."""
+    """Per rate: the best rotating policy against fcfs, whether rotation had work to do, and
+    where a rotating policy does harm (harms). A rate where another process disturbed a run
+    (the row's `disturbed`) reports that instead of a gain."""
     lines = []
     for rate in sorted({r["rate"] for r in rows}):
         by = {r["policy"]: r for r in rows if r["rate"] == rate}
         rotating = [r for p, r in by.items() if p.startswith("rotasched")]
         if base not in by or not rotating:
+            continue
+        noisy = [p for p, r in by.items() if r.get("disturbed")]
+        if noisy:
+            lines.append(f"rate {rate:.2f}/s: DISTURBED: other processes took the CPUs during the "
+                         f"{', '.join(noisy)} run(s); no gain is reported for this rate")
             continue
         b = by[base]
         best = max(rotating, key=lambda r: (r["ttft_attainment"], r["tbt_attainment"]))
@@ -136,7 +147,7 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
             lines.append(f"rate {rate:.2f}/s: no KV pressure ({base} never preempted, nothing "
                          "rotated): rotation had nothing to relieve; differences are noise")
         for r in rotating:
-            for h in harms(b, r):
+            for h in harms(b, r, by.get("fcfs-swap")):
                 lines.append(f"rate {rate:.2f}/s: {r['policy']} does harm: {h}")
     return lines
 

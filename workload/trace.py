@@ -111,19 +111,35 @@ def synthetic_workload(num: int, rate: float, burstiness: float, prompt_lens, ou
     return out
 
 
-def poisson_arrivals(rate: float, duration: float, lengths: list[tuple[int, int]], seed: int,
-                     max_len: int | None = None, max_requests: int = 10**6) -> list[Item]:
-    """Poisson arrivals over `duration` seconds with (prompt, output) lengths drawn from
-    `lengths`, each request capped to max_len tokens in all."""
+WORKLOADS = {  # name -> (prompt x, output x): the trace's lengths reshaped into a class
+    "conv": (1.0, 1.0),             # the conversation trace as it is
+    "prefill-heavy": (4.0, 0.1),    # long prompts, a few output tokens
+    "decode-heavy": (0.1, 4.0),     # short prompts, long outputs
+}
+
+
+def reshape(lengths: list[tuple[int, int]], workload: str) -> list[tuple[int, int]]:
+    """The (prompt, output) lengths of a workload class (WORKLOADS) drawn from a trace's."""
+    fp, fo = WORKLOADS[workload]
+    return [(max(1, round(p * fp)), max(1, round(o * fo))) for p, o in lengths]
+
+
+def random_arrivals(rate: float, duration: float, lengths: list[tuple[int, int]], seed: int,
+                    max_len: int | None = None, max_requests: int = 10**6,
+                    burstiness: float = 1.0) -> list[Item]:
+    """Gamma inter-arrivals (burstiness = the gamma shape: 1 is Poisson, 1/CV^2 below it) over
+    `duration` seconds, (prompt, output) lengths drawn from `lengths`, each request capped to
+    max_len tokens in all."""
     rng = random.Random(seed)
-    t, out = rng.expovariate(rate), []
+    gap = lambda: rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    t, out = gap(), []
     while t < duration and len(out) < max_requests:
         p, o = rng.choice(lengths)
         if max_len:
             p = min(p, max_len - 1)
             o = max(1, min(o, max_len - p))
         out.append(Item(t, p, o))
-        t += rng.expovariate(rate)
+        t += gap()
     return out
 
 
