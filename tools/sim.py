@@ -423,6 +423,11 @@ def parse_args(argv):
                     help="the README's table: fcfs vs RotaSched variants vs the released scheduler "
                          "on GH200-96/144, Llama-3-8B and Qwen2.5-32B, where fcfs falls below 50%%")
     args = ap.parse_args(argv)
+    check_args(ap, args)
+    return ap, args
+
+
+def check_args(ap, args) -> None:
     if args.authors_limits:
         args.max_num_seqs = args.max_batched_tokens = 16384
     for name in ("duration", "ttft_slo", "tbt_slo", "burstiness"):
@@ -438,7 +443,6 @@ def parse_args(argv):
     if any(not r > 0 for r in (args.rates or []) + args.rate_factors):
         ap.error("request rates and rate factors must be > 0")
     args.policies = split_policies(args.policies)
-    return ap, args
 
 
 def main(argv=None) -> None:
