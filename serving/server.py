@@ -1,99 +1,53 @@
-"""An OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn, as vLLM serves).
+"""An OpenAI-compatible HTTP server (FastAPI + uvicorn, as vLLM serves).
 
     python superinfer.py serve --port 8000 [--model M] [--policy P] [engine flags]
 
 Endpoints: /v1/completions and /v1/chat/completions (stream: true gives server-sent events,
 stream_options.include_usage a usage chunk, then `data: [DONE]`), /v1/models, /health, and
-/metrics in Prometheus text. Extensions to OpenAI's request fields: priority, ttft_slo, tbt_slo
-(RotaSched's per-request SLOs, seconds), ignore_eos.
+/metrics in Prometheus text. Extensions to OpenAI's request fields: top_k, ignore_eos, priority,
+ttft_slo, tbt_slo (RotaSched's per-request SLOs, seconds). What is accepted is in protocol.py.
 
-One engine loop runs on a background thread and owns the engine; handlers talk to it through a
-queue and get their tokens back on asyncio queues. A client that disconnects aborts its request
-(its blocks on both tiers are freed); shutdown lets in-flight requests finish, then aborts what
-is left.
+The engine runs in its own process (engine_loop.py; a thread when an Engine is handed to
+create_app, as the tests do). This process parses and validates requests, applies the chat
+template and tokenizes off the event loop, frames SSE, and keeps the metrics. Every error is
+OpenAI's error object with `param` naming the field. A client that hangs up, streaming or not,
+aborts its request: its slot and blocks are freed before the engine's next step. Shutdown lets
+in-flight requests finish, then aborts what is left.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
-from model import ModelLoadError
-from superinfer import Engine, EngineError, Parser, SamplingParams, add_engine_flags, engine_config
-from weights.loader import resolve_device
+from serving.engine_loop import EngineProcess, EngineThread
+from serving.protocol import (ERRORS, Body, ChatBody, ChatCompletion, Completion,
+                              CompletionBody, ModelList, error_body, unsupported)
+from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
+
+MAX_BODY_BYTES = 1 << 20   # a request body larger than this is a 413
+SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
+                                 "description": "with stream: true, chunks of the same shape"}}
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = (
+            status, message, param, kind, code)
 
 
-def error_body(message: str, kind: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-# ---------------------------------------------------------------- request bodies
-
-class Body(BaseModel):
-    """Fields both endpoints take; unknown fields are ignored, unsupported ones refused."""
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict | None = None
-    priority: int = 0
-    ttft_slo: float | None = None
-    tbt_slo: float | None = None
-    ignore_eos: bool = False
-
-
-class CompletionBody(Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-
-
-class ChatBody(Body):
-    messages: list[dict]
-    logprobs: bool = False
-
-
-def sampling(body: Body, default_max: int) -> SamplingParams:
-    for name, ok in (("n", body.n == 1), ("logprobs", not body.logprobs),
-                     ("echo", not getattr(body, "echo", False))):
-        if not ok:
-            raise ApiError(400, f"{name}: only n=1, without logprobs or echo, is supported", name)
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    try:
-        max_tokens = body.max_completion_tokens or body.max_tokens or default_max
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                              top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=stop,
-                              ignore_eos=body.ignore_eos)
-    except ValueError as e:
-        raise ApiError(400, str(e), str(e).split(" ")[0]) from None
-
-
-# ---------------------------------------------------------------- the engine loop
+# ---------------------------------------------------------------- metrics
 
 class Metrics:
     def __init__(self):
@@ -124,237 +78,135 @@ class Metrics:
         self.kv_usage.labels("host").set(stats["host_usage"])
         for name, counter in (("rotations", self.rotations), ("recomputes", self.recomputes),
                               ("bytes_moved", self.bytes_moved)):
-            counter.inc(stats[name] - self.last[name])
+            counter.inc(max(0, stats[name] - self.last[name]))
             self.last[name] = stats[name]
 
-
-class EngineLoop:
-    """The one thread that touches the engine. Handlers call submit() and abort() from the
-    event loop; events come back on each request's asyncio queue."""
-
-    def __init__(self, engine: Engine):
-        self.engine, self.metrics = engine, Metrics()
-        self.inbox: queue.Queue = queue.Queue()
-        self.outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
-
-    async def submit(self, prompt, params: SamplingParams, body: Body) -> tuple[str, asyncio.Queue]:
-        loop = asyncio.get_running_loop()
-        done, out = loop.create_future(), asyncio.Queue()
-        self.inbox.put(("add", (prompt, params, body, loop, out), (loop, done)))
-        return await done, out
-
-    def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid, None))
-
-    def run(self) -> None:
-        while not (self.stopping.is_set() and not self.engine.has_unfinished()):
-            self.drain(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
-                self.step()
-        for rid in list(self.outboxes):
-            self.engine.abort(rid)
-            self.finish(rid)
-
-    def drain(self, block: bool) -> None:
-        try:
-            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self.handle(*item)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def handle(self, kind: str, arg, reply) -> None:
-        if kind == "abort":
-            if arg in self.outboxes:
-                self.engine.abort(arg)
-                self.finish(arg)
-            return
-        prompt, params, body, loop, out = arg
-        try:
-            if self.stopping.is_set():
-                raise ApiError(503, "the server is shutting down", None, "server_error")
-            rid = self.engine.add_request(prompt, params, priority=body.priority,
-                                          ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo)
-        except (ValueError, ApiError) as e:
-            loop.call_soon_threadsafe(resolve, reply[1], None, e)
-            return
-        self.outboxes[rid] = (loop, out)
-        loop.call_soon_threadsafe(resolve, reply[1], rid, None)
-
-    def step(self) -> None:
-        try:
-            events = self.engine.step()
-        except EngineError:
-            events = []  # the step's requests carry the error; finish() delivers it
-        for ev in events:
-            if ev.request_id in self.outboxes:
-                loop, out = self.outboxes[ev.request_id]
-                loop.call_soon_threadsafe(out.put_nowait, ("token", ev))
-        self.metrics.observe(self.engine.stats())
-        for rid in [rid for rid in self.outboxes if self.engine.output(rid).finished]:
-            self.finish(rid)
-
-    def finish(self, rid: str) -> None:
-        """Deliver a request's final output and forget it."""
-        out = self.engine.output(rid)
-        m = self.metrics
-        m.tokens.inc(len(out.token_ids))
-        m.finished.labels(out.finish_reason or "abort").inc()
-        times = out.metrics.token_times
+    def done(self, out: dict) -> None:
+        self.tokens.inc(out["completion_tokens"])
+        self.finished.labels(out["finish_reason"] or "abort").inc()
+        times = out["token_times"]
         if times:
-            m.ttft.observe(times[0] - out.metrics.arrival_time)
+            self.ttft.observe(times[0] - out["arrival"])
             for a, b in zip(times, times[1:]):
-                m.tbt.observe(b - a)
-        loop, q = self.outboxes.pop(rid)
-        loop.call_soon_threadsafe(q.put_nowait, ("done", out))
-        self.engine.release(rid)
+                self.tbt.observe(b - a)
+
+
+# ---------------------------------------------------------------- the engine, from here
+
+class EngineClient:
+    """This process's side of the engine: a queue per request, fed from the engine's messages
+    (which may arrive on any thread), and the tokenizer."""
+
+    def __init__(self, handle):
+        self.handle, self.tokenizer, self.info = handle, handle.tokenizer, handle.info
+        self.metrics, self.queues, self.failed = Metrics(), {}, None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        handle.deliver = self.deliver
 
     def start(self) -> None:
-        self.thread.start()
+        self.loop = asyncio.get_running_loop()
+        self.handle.start()
 
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join()
+    def deliver(self, msg: tuple) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.apply, msg)
 
+    def apply(self, msg: tuple) -> None:
+        if msg[0] == "failed":
+            self.failed = msg[1]
+            for q in self.queues.values():
+                q.put_nowait(("failed", msg[1]))
+            return
+        if msg[0] != "events":
+            return
+        for event in msg[1]:
+            q = self.queues.get(event[1])
+            if event[0] == "done":
+                self.metrics.done(event[2])
+                self.queues.pop(event[1], None)
+            if q is not None:
+                q.put_nowait((event[0], *event[2:]))
+        self.metrics.observe(msg[2])
 
-def resolve(fut: asyncio.Future, value, err) -> None:
-    if not fut.done():
-        fut.set_exception(err) if err else fut.set_result(value)
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, body: Body) -> asyncio.Queue:
+        if self.failed:
+            raise ApiError(503, f"the engine stopped: {self.failed}", None, "server_error")
+        self.queues[rid] = q = asyncio.Queue()
+        extras = {"priority": body.priority, "ttft_slo": body.ttft_slo, "tbt_slo": body.tbt_slo}
+        self.handle.send(("add", rid, ids, params, extras, body.stream))
+        return q
 
+    def abort(self, rid: str) -> None:
+        self.handle.send(("abort", rid))
 
-# ---------------------------------------------------------------- the app
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
 
-def create_app(engine: Engine, model_name: str = "superinfer") -> FastAPI:
-    loop_ = EngineLoop(engine)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        loop_.start()
-        yield
-        loop_.stop()
-
-    app = FastAPI(title="superinfer", lifespan=lifespan)
-    app.state.engine_loop = loop_
-
-    @app.exception_handler(ApiError)
-    async def api_error(request, e: ApiError):
-        return JSONResponse(error_body(e.message, e.kind, e.param), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        field = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        what = first.get("msg", "invalid body")
-        message = f"{field}: {what}" if field else what
-        return JSONResponse(error_body(message, "invalid_request_error", field), status_code=422)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "superinfer",
-            "max_model_len": engine.max_model_len}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(generate_latest(loop_.metrics.registry).decode(),
-                                 media_type="text/plain; version=0.0.4")
-
-    add_completions(app, loop_, engine, model_name)
-    return app
-
-
-def add_completions(app: FastAPI, loop_: EngineLoop, engine: Engine, model_name: str) -> None:
-    def check_model(body: Body) -> None:
-        if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"model: the model {body.model!r} does not exist (this server "
-                                f"serves {model_name!r})", "model", "model_not_found")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        check_model(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: one prompt per request (a list of several is not "
-                                    "supported)", "prompt")
-            prompt = prompt[0]
-        params = sampling(body, 16)
-        return await respond(loop_, request, prompt, params, body, model_name, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: Request):
-        check_model(body)
-        tok = engine.tokenizer
+    def chat(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "messages: this model has no chat template", "messages")
         try:
-            prompt = tok.apply_chat_template(body.messages, add_generation_prompt=True,
-                                             return_dict=False)
-        except Exception as e:  # jinja and type errors from malformed messages
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                return_dict=False))
+        except Exception as e:  # jinja and type errors from unusual messages
             raise ApiError(400, f"messages: cannot apply the chat template ({e})",
                            "messages") from None
-        params = sampling(body, engine.max_model_len - len(prompt))
-        return await respond(loop_, request, prompt, params, body, model_name, chat=True)
 
 
-async def respond(loop_: EngineLoop, request: Request, prompt, params: SamplingParams, body: Body,
-                  model_name: str, chat: bool):
+# ---------------------------------------------------------------- requests
+
+def sampling(body: Body, n_prompt: int, max_len: int, default_max: int, what: str
+             ) -> SamplingParams:
+    """SamplingParams for a request, with the context checked in the numbers it is made of."""
+    if n_prompt >= max_len:
+        raise ApiError(400, f"{what}: the prompt has {n_prompt} tokens; this model's context is "
+                            f"{max_len} tokens", what, code="context_length_exceeded")
+    asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    max_tokens = asked if asked is not None else min(default_max, max_len - n_prompt)
+    if n_prompt + max_tokens > max_len:
+        raise ApiError(400, f"max_tokens: the prompt has {n_prompt} tokens and max_tokens asks for "
+                            f"{max_tokens} more ({n_prompt + max_tokens} in all); this model's "
+                            f"context is {max_len} tokens", "max_tokens",
+                       code="context_length_exceeded")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     try:
-        rid, events = await loop_.submit(prompt, params, body)
+        return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature),
+                              top_p=float(body.top_p), top_k=body.top_k, seed=body.seed,
+                              stop=stop, ignore_eos=body.ignore_eos)
     except ValueError as e:
-        raise ApiError(400, str(e), "prompt" if "prompt" in str(e) else None) from None
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
-    if body.stream:
-        usage = bool((body.stream_options or {}).get("include_usage"))
-        events = stream(loop_, rid, events, ident, created, model_name, chat, usage)
-        return StreamingResponse(events, media_type="text/event-stream")
-    while True:
-        try:
-            kind, item = await asyncio.wait_for(events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                loop_.abort(rid)
-                return JSONResponse({}, status_code=499)
-            continue
-        if kind == "done":
-            return whole(item, ident, created, model_name, chat)
+        raise ApiError(400, str(e), str(e).split(" ")[0]) from None
 
 
-def usage_of(out) -> dict:
-    n, m = len(out.prompt_token_ids), len(out.token_ids)
+def usage_of(out: dict) -> dict:
+    n, m = out["prompt_tokens"], out["completion_tokens"]
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
-def whole(out, ident: str, created: int, model_name: str, chat: bool):
-    if out.error is not None:
-        raise ApiError(500, f"the request failed: {out.error}", None, "server_error")
-    reason = out.finish_reason if out.finish_reason in ("stop", "length") else out.finish_reason
+def whole(out: dict, ident: str, created: int, model: str, chat: bool) -> dict:
+    if out["error"] is not None:
+        raise ApiError(500, f"the request failed: {out['error']}", None, "server_error")
+    choice = {"index": 0, "finish_reason": out["finish_reason"], "logprobs": None}
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": reason, "logprobs": None}
+        choice["message"] = {"role": "assistant", "content": out["text"]}
     else:
-        choice = {"index": 0, "text": out.text, "finish_reason": reason, "logprobs": None}
+        choice["text"] = out["text"]
     return {"id": ident, "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model_name, "choices": [choice], "usage": usage_of(out)}
+            "created": created, "model": model, "choices": [choice], "usage": usage_of(out)}
 
 
-async def stream(loop_: EngineLoop, rid: str, events: asyncio.Queue, ident: str, created: int,
-                 model_name: str, chat: bool, usage: bool):
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def stream(client: EngineClient, rid: str, events: asyncio.Queue, head: dict, chat: bool,
+                 usage: bool):
     """Server-sent events: a chunk per token (its text may be empty while a multi-byte character
     is incomplete), the finish reason, usage if asked, then [DONE]."""
-    kind_name = "chat.completion.chunk" if chat else "text_completion"
-
     def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
         if chat:
             delta = {"role": "assistant", "content": ""} if first else (
@@ -362,8 +214,7 @@ async def stream(loop_: EngineLoop, rid: str, events: asyncio.Queue, ident: str,
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-        return sse({"id": ident, "object": kind_name, "created": created, "model": model_name,
-                    "choices": [choice]})
+        return sse(head | {"choices": [choice]})
 
     finished = False
     try:
@@ -372,57 +223,252 @@ async def stream(loop_: EngineLoop, rid: str, events: asyncio.Queue, ident: str,
         while True:
             kind, item = await events.get()
             if kind == "token":
-                yield chunk(item.text, None)
+                yield chunk(item, None)
                 continue
             finished = True
-            if item.error is not None:
-                yield sse(error_body(f"the request failed: {item.error}", "server_error", None))
+            if kind == "failed" or item["error"] is not None:
+                why = item if kind == "failed" else item["error"]
+                yield sse(error_body(f"the request failed: {why}", "server_error"))
             else:
-                yield chunk(None if chat else "", item.finish_reason)
+                yield chunk(None if chat else "", item["finish_reason"])
                 if usage:
-                    yield sse({"id": ident, "object": kind_name, "created": created,
-                               "model": model_name, "choices": [], "usage": usage_of(item)})
+                    yield sse(head | {"choices": [], "usage": usage_of(item)})
             yield "data: [DONE]\n\n"
             return
     finally:
-        if not finished:  # the client went away: free its blocks
-            loop_.abort(rid)
+        if not finished:  # the client went away: free its slot and blocks
+            client.abort(rid)
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+async def hung_up(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so this is all that comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(client: EngineClient, request: Request, ids: list[int], params: SamplingParams,
+                  body: Body, model: str, chat: bool):
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    events = client.submit(rid, ids, params, body)
+    kind, *rest = await events.get()
+    if kind != "accepted":
+        client.queues.pop(rid, None)
+        status = 503 if kind == "failed" or "shutting down" in rest[0] else 400
+        raise ApiError(status, rest[0], "prompt" if "prompt" in rest[0] else None,
+                       "invalid_request_error" if status == 400 else "server_error")
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model}
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(client, rid, events, head, chat, usage),
+                                 media_type="text/event-stream")
+    watch = asyncio.ensure_future(hung_up(request))
+    try:
+        while True:
+            get = asyncio.ensure_future(events.get())
+            await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():  # hung up: stop generating for nobody
+                get.cancel()
+                client.abort(rid)
+                return JSONResponse(error_body("the client disconnected"), status_code=499)
+            kind, item = get.result()
+            if kind == "failed":
+                raise ApiError(503, f"the engine stopped: {item}", None, "server_error")
+            if kind == "done":
+                return whole(item, rid, head["created"], model, chat)
+    finally:
+        watch.cancel()
+
+
+# ---------------------------------------------------------------- the app
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is a 413 (read before the app sees it)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            chunks.append(msg.get("body", b""))
+            size, more = size + len(chunks[-1]), msg.get("more_body", False)
+            if size > self.limit:
+                text = f"the request body is over {self.limit} bytes (see --max-body-bytes)"
+                return await JSONResponse(error_body(text, param="body"), 413)(scope, receive,
+                                                                               send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal body
+            msg, body = body, None
+            return msg if msg is not None else await receive()
+        await self.app(scope, replay, send)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI's error object for everything: ours, validation, bad JSON, 404, 405, the rest."""
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            where = first.get("loc", (None, "?"))[-1]
+            why = first.get("ctx", {}).get("error", "invalid")
+            return JSONResponse(error_body(f"the body is not valid JSON ({why} at character "
+                                           f"{where})"), 400)
+        field, what = describe(e.errors())
+        return JSONResponse(error_body(f"{field}: {what}" if field else what, param=field), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        text = {404: f"no such path: {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code)
+        if e.status_code == 400:  # FastAPI could not decode the body
+            text = "the body could not be read as JSON (invalid UTF-8, or nested too deeply)"
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(text or str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(request, e: Exception):
+        return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), 500)
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def describe(errors: list[dict]) -> tuple[str | None, str]:
+    """(field, what is wrong) from pydantic's errors: the deepest one, so that a union field
+    (prompt, content) names the branch that came closest; union tags left out of the field."""
+    if not errors:
+        return None, "invalid body"
+    e = max(errors, key=lambda e: len(e.get("loc", ())))  # ties: the first branch
+    loc = [str(x) for x in e.get("loc", ())[1:]
+           if not (str(x) in TYPE_TAGS or "[" in str(x) or str(x).startswith("function-"))]
+    return ".".join(loc) or None, e.get("msg", "invalid body")
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's document with our 400s in place of its 422s (which this server never sends)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in doc["paths"].values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def create_app(engine, model_name: str = "superinfer",
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app over an EngineProcess, or over an Engine of this process (run on a thread)."""
+    client = EngineClient(EngineThread(engine) if isinstance(engine, Engine) else engine)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        client.start()
+        yield
+        await asyncio.to_thread(client.handle.stop)
+
+    app = FastAPI(title="superinfer", version="0.3", lifespan=lifespan)
+    app.state.client = client
+    app.openapi = lambda: openapi_schema(app)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    add_error_handlers(app)
+    add_routes(app, client, model_name)
+    return app
+
+
+def add_routes(app: FastAPI, client: EngineClient, name: str) -> None:
+    max_len = client.info["max_model_len"]
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "superinfer",
+            "max_model_len": max_len}
+
+    @app.get("/health", responses={503: ERRORS[503]})
+    async def health():
+        if client.failed:
+            raise ApiError(503, f"the engine stopped: {client.failed}", None, "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def metrics():
+        return PlainTextResponse(generate_latest(client.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    def check(body: Body) -> None:
+        if body.model is not None and body.model != name:
+            raise ApiError(404, f"model: the model {body.model!r} does not exist (this server "
+                                f"serves {name!r})", "model", "not_found_error", "model_not_found")
+        problem = unsupported(body)
+        if problem:
+            raise ApiError(400, problem, problem.split(":")[0])
+
+    ok = {**ERRORS, 200: {"content": SSE_DOC}}
+
+    @app.post("/v1/completions", response_model=Completion, responses=ok)
+    async def completions(body: CompletionBody, request: Request):
+        check(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if not prompt:
+            raise ApiError(400, "prompt: empty prompt", "prompt")
+        ids = await asyncio.to_thread(client.encode, prompt)
+        params = sampling(body, len(ids), max_len, 16, "prompt")
+        return await respond(client, request, ids, params, body, name, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ok)
+    async def chat(body: ChatBody, request: Request):
+        check(body)
+        ids = await asyncio.to_thread(client.chat, body.text_messages())
+        params = sampling(body, len(ids), max_len, max_len, "messages")
+        return await respond(client, request, ids, params, body, name, chat=True)
 
 
 # ---------------------------------------------------------------- command line
 
 def main(argv: list[str] | None = None) -> None:
+    import uvicorn
     ap = Parser(prog="superinfer serve",
                 description="An OpenAI-compatible server (serving/server.py).")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None,
                     help="the name clients ask for (default: the model's file or directory name)")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help=f"larger request bodies get a 413 (default {MAX_BODY_BYTES})")
     add_engine_flags(ap)
     args = ap.parse_args(argv)
     if not 0 < args.port < 65536:
         ap.error(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body_bytes < 1:
+        ap.error("--max-body-bytes must be >= 1")
     cfg = engine_config(ap, args)
     try:
-        resolve_device(cfg.device)
-    except ValueError as e:
-        ap.error(str(e))
-    try:
-        engine = Engine(cfg)
-    except (ModelLoadError, ValueError) as e:
+        engine = EngineProcess(cfg)
+    except RuntimeError as e:
         raise SystemExit(f"superinfer serve: error: {e}") from None
     name = args.served_model_name or (cfg.model.rstrip("/").split("/")[-1] if cfg.model
                                       else "SmolLM2-135M-Instruct")
     try:
-        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=30)
+        uvicorn.run(create_app(engine, name, args.max_body_bytes), host=args.host,
+                    port=args.port, log_level="info", timeout_graceful_shutdown=30)
     finally:
-        engine.close()
-
-
-if __name__ == "__main__":
-    main()
+        if engine.alive():
+            engine.stop()

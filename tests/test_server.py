@@ -134,8 +134,8 @@ def test_a_disconnected_stream_frees_its_blocks(served):
     ({"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": NAME, "prompt": "hi", "top_p": 7}, 400, "top_p"),
     ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
-    ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
-    ({"model": NAME}, 422, "prompt"),
+    ({"model": NAME, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": NAME}, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_errors_while_a_stream_goes_on(served, body, status, field):
     client, _, base = served
@@ -163,7 +163,8 @@ def test_malformed_json_is_a_clear_error(served):
                                  {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
-    assert e.value.code == 422 and "error" in json.loads(e.value.read())
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and "not valid JSON" in err["message"] and err["param"] is None
 
 
 def test_models_health_and_metrics(served):
@@ -177,3 +178,130 @@ def test_models_health_and_metrics(served):
                  "superinfer_kv_bytes_moved", "superinfer_time_to_first_token_seconds",
                  "superinfer_inter_token_seconds"):
         assert want in names, want
+
+
+def post(base, path, body, raw=False):
+    """(status, parsed JSON) of a POST; body is an object, or bytes when raw."""
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_chat_content_may_be_text_parts(served, reference):
+    client, _, base = served
+    msg = "What is the capital of France?"
+    want = client.chat.completions.create(model=NAME, max_tokens=12, temperature=0,
+                                          messages=[{"role": "user", "content": msg}])
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}]
+    got = client.chat.completions.create(model=NAME, max_tokens=12, temperature=0,
+                                         messages=[{"role": "user", "content": parts}])
+    assert got.choices[0].message.content == want.choices[0].message.content
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": image}])
+    assert e.value.body["param"] == "messages.0.content.0.type"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [[False]]}, "prompt.0.0"), ({"prompt": [True]}, "prompt.0"),
+    ({"prompt": [1.0]}, "prompt.0"), ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"), ({"prompt": "hi", "best_of": 2}, "best_of"),
+    ({"prompt": "hi", "echo": True}, "echo"), ({"prompt": "hi", "color": "blue"}, "color"),
+    ({"prompt": [5, -1]}, "prompt.1"), ({"prompt": []}, "prompt"),
+])
+def test_completion_inputs_are_strict(served, body, param):
+    _, _, base = served
+    status, out = post(base, "/v1/completions", {"model": NAME, "max_tokens": 2} | body)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"), ({"messages": [{"role": "bogus", "content": "x"}]},
+                                     "messages.0.role"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_chat_inputs_are_strict(served, body, param):
+    _, _, base = served
+    status, out = post(base, "/v1/chat/completions", {"model": NAME} | body)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_no_op_values_of_unsupported_parameters_are_accepted(served):
+    _, _, base = served
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+            "n": 1, "user": "me", "response_format": {"type": "text"}, "tools": []}
+    status, out = post(base, "/v1/chat/completions", body)
+    assert status == 200 and out["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_every_error_is_an_openai_error_object(served):
+    _, _, base = served
+    checks = [post(base, "/v1/nowhere", {}), post(base, "/v1/completions", b"\xff\xfe", raw=True),
+              post(base, "/v1/completions", b"[" * 100000 + b"]" * 100000, raw=True),
+              post(base, "/v1/completions", b'{"prompt": "x", ' + b" " * (1 << 20) + b"}", raw=True)]
+    assert [c[0] for c in checks] == [404, 400, 400, 413]
+    for _, out in checks:
+        assert set(out) == {"error"} and set(out["error"]) == {"message", "type", "param", "code"}
+    req = urllib.request.Request(base + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 405 and "error" in json.loads(e.value.read())
+
+
+def test_context_errors_name_the_numbers(served):
+    _, engine, base = served
+    n = engine.max_model_len
+    status, out = post(base, "/v1/completions", {"prompt": [7] * (n - 4), "max_tokens": 10})
+    assert status == 400 and out["error"]["param"] == "max_tokens"
+    assert f"{n - 4} tokens" in out["error"]["message"] and f"context is {n} tokens" in \
+        out["error"]["message"]
+    long_chat = {"messages": [{"role": "user", "content": "word " * (n + 50)}]}
+    status, out = post(base, "/v1/chat/completions", long_chat)
+    assert status == 400 and out["error"]["param"] == "messages"
+    assert out["error"]["code"] == "context_length_exceeded" and f"{n} tokens" in \
+        out["error"]["message"]
+
+
+def test_a_hung_up_plain_request_stops_and_gauges_follow(served):
+    """A non-streaming request whose client hangs up frees its slot and blocks within a step,
+    and the running gauge says so."""
+    _, engine, base = served
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    end = time.time() + 30
+    while not engine.sched.running and time.time() < end:
+        time.sleep(0.01)
+    steps = engine.sched.num_steps
+    sock.close()
+    wait_idle(engine)
+    assert engine.sched.num_steps - steps < 40      # not the 400 tokens it asked for
+    time.sleep(0.2)
+    text = urllib.request.urlopen(base + "/metrics").read().decode()
+    running = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "superinfer_requests_running"]
+    assert running == [0.0]
+
+
+def test_the_openapi_document_lists_what_the_server_sends(served):
+    _, _, base = served
+    doc = json.loads(urllib.request.urlopen(base + "/openapi.json").read())
+    post_ = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "404", "413", "503"} <= set(post_) and "422" not in post_
+    assert "text/event-stream" in post_["200"]["content"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    chat = doc["components"]["schemas"]["ChatBody"]["properties"]["messages"]
+    assert chat["minItems"] == 1
