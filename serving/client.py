@@ -1,8 +1,11 @@
 """A streaming client of any OpenAI-compatible server, for bench.py --policies openai.
 
 Each request is sent at its arrival time on its own thread (POST /v1/completions, stream: true,
-prompt as token ids); every streamed chunk is one token, timed on arrival here. So TTFT and every
-token gap are measured on the client side, the same way for our server, vLLM or SGLang.
+prompt as token ids); every streamed chunk that carries a token is timed on arrival here (not the
+final chunk that only says why it finished, nor the usage chunk). So TTFT and every token gap
+are measured on the client side, the same way for our server, vLLM or SGLang. The server's
+/metrics, read before and after a run, give its rotations, recomputes and bytes moved where it
+exposes them (ours, and vLLM's preemptions).
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ import json
 import threading
 import time
 import urllib.parse
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from workload.metrics import progress
 from workload.trace import Item
@@ -38,17 +44,46 @@ def complete(base_url: str, model: str | None, prompt: list[int], max_tokens: in
             data = line[6:].strip()
             if data == b"[DONE]":
                 break
-            if json.loads(data).get("choices"):
+            if carries_token(json.loads(data)):
                 times.append(time.perf_counter())
     finally:
         conn.close()
     return times
 
 
+def carries_token(chunk: dict) -> bool:
+    """A token's chunk: text, or an empty piece of an unfinished multi-byte character; not the
+    last chunk that only gives the finish reason, nor the usage chunk (no choices)."""
+    choices = chunk.get("choices") or []
+    return bool(choices) and (choices[0].get("text") != "" or choices[0].get("finish_reason")
+                              is None)
+
+
+COUNTERS = {"rotations": ("superinfer_rotations",), "bytes_moved": ("superinfer_kv_bytes_moved",),
+            "recomputes": ("superinfer_recomputes", "vllm:num_preemptions")}
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """The server's counters that bench rows report, from its /metrics (empty if it has none)."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for key, names in COUNTERS.items():
+            if family.name in names:
+                found[key] = found.get(key, 0) + sum(s.value for s in family.samples
+                                                     if s.name.endswith("_total"))
+    return found
+
+
 def serve(base_url: str, model: str | None, items: list[Item], prompts: list[list[int]],
           label: str, deadline: float) -> tuple[list, dict]:
     """The arrivals against the server, online; records as bench.serve returns them."""
     order = sorted(range(len(items)), key=lambda i: items[i].arrival)
+    before = server_counters(base_url)
     t0 = time.perf_counter() + 0.05
     records: list = [None] * len(items)
     errors: list[str] = []
@@ -76,4 +111,6 @@ def serve(base_url: str, model: str | None, items: list[Item], prompts: list[lis
         print(f"  {len(errors)} requests failed, e.g. {errors[0]}")
     records = [r if r is not None else (t0 + items[i].arrival, []) for i, r in enumerate(records)]
     unfinished = sum(len(t) < items[i].output_len for i, (_, t) in enumerate(records))
-    return records, {"unfinished": unfinished}
+    after = server_counters(base_url)
+    moved = {k: int(after[k] - before.get(k, 0)) for k in after}
+    return records, moved | {"unfinished": unfinished}

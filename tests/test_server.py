@@ -305,3 +305,18 @@ def test_the_openapi_document_lists_what_the_server_sends(served):
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     chat = doc["components"]["schemas"]["ChatBody"]["properties"]["messages"]
     assert chat["minItems"] == 1
+
+
+def test_the_bench_client_counts_tokens_and_reads_the_servers_counters(served):
+    from serving import client as bench_client
+    from workload.trace import Item
+    assert not bench_client.carries_token({"choices": [{"text": "", "finish_reason": "length"}]})
+    assert bench_client.carries_token({"choices": [{"text": "", "finish_reason": None}]})
+    assert not bench_client.carries_token({"choices": [], "usage": {}})
+    _, engine, base = served
+    items = [Item(0.05 * i, 20, 6 + i) for i in range(6)]
+    prompts = [[1000 + 7 * i + j for j in range(20)] for i in range(6)]
+    records, stats = bench_client.serve(base, NAME, items, prompts, "test", 60.0)
+    assert [len(times) for _, times in records] == [it.output_len for it in items]
+    assert {"rotations", "bytes_moved", "recomputes"} <= set(stats)
+    assert stats["rotations"] >= 0 and stats["unfinished"] == 0
