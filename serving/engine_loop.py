@@ -129,7 +129,8 @@ class EngineThread:
 
 def engine_info(engine: Engine) -> dict:
     return {"max_model_len": engine.max_model_len, "vocab_size": engine.model.cfg.vocab_size,
-            "block_bytes": engine.block_bytes}
+            "block_bytes": engine.block_bytes,
+            "capacity_tokens": engine.bm.device.capacity * engine.cfg.block_size}
 
 
 def serve_engine(cfg, commands, events) -> None:

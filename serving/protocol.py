@@ -3,29 +3,41 @@
 Requests say what they accept: typed messages (a role from a fixed set; content as a string or a
 list of text parts), token ids as lists of non-negative integers (not booleans), numbers as
 numbers (no coercion from strings or booleans), ranges in the schema, and no unknown fields.
-Every parameter of OpenAI's completions and chat APIs is either implemented or, at any value but
-its no-op one, refused with a 400 that names it (NOOP); the README lists them.
+Every parameter of OpenAI's completions and chat APIs is either implemented or accepted only at
+its no-op value, in the schema itself, so anything else is a 400 that names it (NOT_SUPPORTED);
+the README lists them.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
+                      StrictInt, StrictStr)
 
-Number = Union[StrictFloat, StrictInt]
+def num(**limits):
+    """A JSON number (not a string or a boolean) within limits, stated per branch so that the
+    schema carries them."""
+    return Union[Annotated[StrictFloat, Field(**limits)], Annotated[StrictInt, Field(**limits)]]
+
+
+Number = num()
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
-# OpenAI parameters we do not implement: accepted only at the value that changes nothing
-NOOP: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (True, False), "store": (False,),
-    "metadata": ({},), "modalities": (["text"],), "audio": (), "prediction": (),
-    "reasoning_effort": (), "web_search_options": (), "service_tier": ("auto", "default"),
-    "response_format": ({"type": "text"},), "prompt_cache_key": (), "safety_identifier": (),
-    "verbosity": (),
-}
+def _false(value: bool) -> bool:
+    if value:
+        raise ValueError("only false is accepted")
+    return value
+
+
+Zero = num(ge=0, le=0)
+FalseOnly = Annotated[StrictBool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
+Empty = Field(max_length=0)
+# OpenAI parameters we do not implement: the schema accepts only the value that changes nothing
+NOT_SUPPORTED = {"frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
+                 "top_logprobs", "echo", "best_of", "suffix", "tools", "tool_choice", "functions",
+                 "function_call", "store", "metadata", "modalities", "audio", "prediction",
+                 "reasoning_effort", "web_search_options", "service_tier", "response_format",
+                 "prompt_cache_key", "safety_identifier", "verbosity", "n"}
 
 
 class Strict(BaseModel):
@@ -34,6 +46,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = Field(False, description="vLLM's: usage in every chunk")
     include_obfuscation: StrictBool = False
 
 
@@ -41,37 +54,46 @@ class Body(Strict):
     """Fields both endpoints take (OpenAI's, then our extensions)."""
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1, description="most tokens to generate")
-    temperature: Number = Field(1.0, ge=0, le=2)
-    top_p: Number = Field(1.0, gt=0, le=1)
+    temperature: num(ge=0, le=2) = 1.0
+    top_p: num(gt=0, le=1) = 1.0
     seed: StrictInt | None = Field(None, ge=-2**63, le=2**64 - 1)
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = Field(1, ge=1, le=1, description="only 1")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = Field(None, description="accepted; identifies the end user")
-    frequency_penalty: Number | None = Field(None, ge=-2, le=2, description="only 0")
-    presence_penalty: Number | None = Field(None, ge=-2, le=2, description="only 0")
-    logit_bias: dict[str, Number] | None = Field(None, description="only empty")
+    frequency_penalty: Zero | None = Field(None, description="not supported: only 0")
+    presence_penalty: Zero | None = Field(None, description="not supported: only 0")
+    logit_bias: Annotated[dict[str, Number], Empty] | None = Field(
+        None, description="not supported: only empty")
     top_k: StrictInt = Field(0, ge=-1, description="extension: 0 or -1 = off")
     ignore_eos: StrictBool = Field(False, description="extension: run to max_tokens")
     priority: StrictInt = Field(0, ge=-2**31, le=2**31 - 1,
                                 description="extension: lower runs first (--policy priority)")
-    ttft_slo: Number | None = Field(None, gt=0, le=86400, description="extension: seconds")
-    tbt_slo: Number | None = Field(None, gt=0, le=86400, description="extension: seconds")
+    ttft_slo: num(gt=0, le=86400) | None = Field(None, description="extension: seconds")
+    tbt_slo: num(gt=0, le=86400) | None = Field(None, description="extension: seconds")
 
 
 class CompletionBody(Body):
-    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] \
+    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds \
+        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1,
+                                                                        max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-    echo: StrictBool | None = Field(None, description="only false")
-    logprobs: StrictInt | None = Field(None, ge=0, le=5, description="only 0")
-    best_of: StrictInt | None = Field(None, ge=1, description="only 1")
-    suffix: StrictStr | None = Field(None, description="only empty")
+    echo: FalseOnly | None = Field(None, description="not supported: only false")
+    logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = Field(
+        None, description="not supported: only 0")
+    best_of: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(
+        None, description="not supported: only 1")
+    suffix: Annotated[StrictStr, Empty] | None = Field(None, description="not supported: only \"\"")
 
 
 class TextPart(Strict):
     type: Literal["text"]
     text: StrictStr
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
 
 
 class Message(Strict):
@@ -83,40 +105,34 @@ class Message(Strict):
 class ChatBody(Body):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool | None = Field(None, description="only false")
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="only 0")
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
-    tools: list[dict[str, Any]] | None = Field(None, description="only empty")
-    tool_choice: StrictStr | dict[str, Any] | None = Field(None, description='only "none"')
-    functions: list[dict[str, Any]] | None = Field(None, description="only empty")
-    function_call: StrictStr | dict[str, Any] | None = Field(None, description='only "none"')
+    logprobs: FalseOnly | None = Field(None, description="not supported: only false")
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = Field(
+        None, description="not supported: only 0")
+    response_format: TextFormat | None = Field(None, description='only {"type": "text"}')
+    tools: Annotated[list[dict[str, Any]], Empty] | None = Field(
+        None, description="not supported: only empty")
+    tool_choice: Literal["none"] | None = Field(None, description='not supported: only "none"')
+    functions: Annotated[list[dict[str, Any]], Empty] | None = Field(
+        None, description="not supported: only empty")
+    function_call: Literal["none"] | None = Field(None, description='not supported: "none"')
     parallel_tool_calls: StrictBool | None = None
-    store: StrictBool | None = Field(None, description="only false")
-    metadata: dict[str, StrictStr] | None = Field(None, description="only empty")
-    modalities: list[StrictStr] | None = Field(None, description='only ["text"]')
-    service_tier: StrictStr | None = Field(None, description='only "auto" or "default"')
-    audio: dict[str, Any] | None = Field(None, description="not supported")
-    prediction: dict[str, Any] | None = Field(None, description="not supported")
-    reasoning_effort: StrictStr | None = Field(None, description="not supported")
-    web_search_options: dict[str, Any] | None = Field(None, description="not supported")
-    prompt_cache_key: StrictStr | None = Field(None, description="not supported")
-    safety_identifier: StrictStr | None = Field(None, description="not supported")
-    verbosity: StrictStr | None = Field(None, description="not supported")
+    store: FalseOnly | None = Field(None, description="not supported: only false")
+    metadata: Annotated[dict[str, StrictStr], Empty] | None = Field(
+        None, description="not supported: only empty")
+    modalities: list[Literal["text"]] | None = Field(None, description='only ["text"]')
+    service_tier: Literal["auto", "default"] | None = None
+    audio: None = Field(None, description="not supported")
+    prediction: None = Field(None, description="not supported")
+    reasoning_effort: None = Field(None, description="not supported")
+    web_search_options: None = Field(None, description="not supported")
+    prompt_cache_key: None = Field(None, description="not supported")
+    safety_identifier: None = Field(None, description="not supported")
+    verbosity: None = Field(None, description="not supported")
 
     def text_messages(self) -> list[dict]:
         """The messages as the chat template takes them: content parts joined into one string."""
         return [{"role": m.role, "content": m.content if isinstance(m.content, str)
                  else "".join(p.text for p in m.content)} for m in self.messages]
-
-
-def unsupported(body: Body) -> str | None:
-    """The first parameter set to something other than its no-op value, or None."""
-    for name in body.model_fields_set & NOOP.keys():
-        value = getattr(body, name)
-        if value is not None and value not in NOOP[name]:
-            allowed = " or ".join(repr(v) for v in NOOP[name]) or "nothing"
-            return f"{name}: not supported by this server (accepted: {allowed}, or leave it out)"
-    return None
 
 
 # ---------------------------------------------------------------- responses

