@@ -1,14 +1,15 @@
 """Side-by-side SLO benchmark: the same arrivals through each policy, served online on a wall clock.
 
-    python bench.py                     embedded model, an Azure trace slice, fcfs vs rotasched
+    python bench.py                     embedded model, an Azure trace slice, fcfs vs fcfs-swap vs
+                                        rotasched
     python bench.py --policies fcfs,fcfs-swap,rotasched,rotasched-released,hf --plot r.png
     python bench.py --backend openai --base-url http://127.0.0.1:8000 --policies openai,rotasched
                                         a server (ours, vLLM, ...) and the engine here, one table
-    python bench.py --speed             tokens/s next to HF transformers (bench_speed.py)
+    python bench.py --speed             tokens/s next to HF transformers (tools/bench_speed.py)
 
 The run calibrates itself (unloaded latency gives the SLOs, a bulk run the saturation rate) and
 sizes the workload to a time target per run, so a slow machine runs fewer requests, not longer.
-Metrics are vLLM benchmark_serving's (metrics.py).
+Metrics are vLLM benchmark_serving's (workload/metrics.py); --repeat N gives their spread.
 """
 from __future__ import annotations
 
@@ -331,7 +332,7 @@ def parse_args(argv):
                     help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released; hf "
                          "(HF transformers' continuous batching); openai (the --base-url server)."
                          " With parameters use ';' between policies: 'fcfs;rotasched:quantum=0.5'."
-                         " Default: fcfs,rotasched; with --backend openai: openai")
+                         " Default: fcfs,fcfs-swap,rotasched; with --backend openai: openai")
     ap.add_argument("--rates", default=None, help="request rates (req/s); default: calibrated")
     ap.add_argument("--rate-factors", default="1.5", help="without --rates: multiples of the "
                     "measured saturation rate (default 1.5)")
@@ -414,7 +415,7 @@ def check_args(ap, args) -> None:
     if any(not x > 0 for x in values):
         ap.error("rates, rate factors and lengths must be > 0")
     if args.policies is None:
-        args.policies = "openai" if args.backend == "openai" else "fcfs,rotasched"
+        args.policies = "openai" if args.backend == "openai" else "fcfs,fcfs-swap,rotasched"
     args.policies = sim.split_policies(args.policies)
     if args.backend == "openai" and "openai" not in args.policies:
         args.policies.insert(0, "openai")
