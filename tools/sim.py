@@ -8,7 +8,7 @@ per-layer copies block compute.
 
     python -m tools.sim --hw gh200-96           # Llama-3-8B, TTFT 5 s / TBT 100 ms
     python -m tools.sim --hw h100-pcie --model qwen2.5-32b --rates 1,2,3
-    python -m tools.sim --paper-table           # the README's comparison with the paper
+    python -m tools.claim                       # the README's sweeps: four settings, four workloads
 """
 from __future__ import annotations
 
@@ -337,51 +337,6 @@ def saturation_rate(cost: CostModel, lengths, seed: int, cfg: EngineConfig, n: i
     return (hi - lo) / (ends[hi] - ends[lo])
 
 
-def knee_rate(cost: CostModel, lengths, cfg: EngineConfig, duration: float, seed: int,
-              max_len: int, below: float = 0.5) -> float:
-    """The lowest rate (to 2%) at which fcfs's TTFT attainment falls below `below`."""
-    lo, hi = 0.0, saturation_rate(cost, lengths, seed, cfg)
-    def attained(rate):
-        reqs = requests_at(rate, duration, lengths, seed, max_len)
-        return run_policy("fcfs", reqs, cost, cfg)["ttft_attainment"]
-    while attained(hi) >= below:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 0.02 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if attained(mid) >= below else (lo, mid)
-    return round(hi, 2)
-
-
-# ---------------------------------------------------------------- the README's table
-
-PAPER_POLICIES = ["fcfs", "rotasched", "rotasched:quantum=0.5", "rotasched:alpha_on=waiting",
-                  "rotasched:alpha_on=waiting,quantum=0.5", "rotasched:bound=4",
-                  "rotasched-released"]
-
-
-def paper_table(args, cfg: EngineConfig, lengths, rows: list[dict]) -> None:
-    """fcfs vs RotaSched (both alpha placements, with and without a 0.5 s time slice) vs the
-    released scheduler, on GH200-96/144 with Llama-3-8B and Qwen2.5-32B, at the rate where fcfs
-    TTFT attainment falls below 50%."""
-    print(f"{'setting':<28}{'rate':>6} {'policy':<40}{'TTFT att':>9}{'vs fcfs':>16}"
-          f"{'TBT att':>9}{'tok/s':>9}")
-    for hw in ("gh200-96", "gh200-144"):
-        for model in ("llama-3-8b", "qwen2.5-32b"):
-            cost = CostModel(MODELS[model], PROFILES[hw], cfg.block_size)
-            rate = knee_rate(cost, lengths, cfg, args.duration, args.seed, args.max_len)
-            reqs = requests_at(rate, args.duration, lengths, args.seed, args.max_len)
-            base = None
-            for pol in PAPER_POLICIES:
-                row = run_policy(pol, reqs, cost, cfg) | {"rate": rate, "hw": hw, "model": model}
-                base = base or row
-                gain = row["ttft_attainment"] - base["ttft_attainment"]
-                rel = gain / base["ttft_attainment"] if base["ttft_attainment"] else float("inf")
-                print(f"{hw + ', ' + model:<28}{rate:6.2f} {pol:<40}{row['ttft_attainment']:9.1%}"
-                      f"{100 * gain:+8.1f} pt {rel:+5.0%}{row['tbt_attainment']:9.1%}"
-                      f"{row['throughput_tok_s']:9.0f}", flush=True)
-                rows.append(row)
-
-
 # ---------------------------------------------------------------- command line
 
 def parse_args(argv):
@@ -419,9 +374,6 @@ def parse_args(argv):
     ap.add_argument("--log", default=None, help="write the schedule log (schedlog.py) here")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--paper-table", action="store_true",
-                    help="the README's table: fcfs vs RotaSched variants vs the released scheduler "
-                         "on GH200-96/144, Llama-3-8B and Qwen2.5-32B, where fcfs falls below 50%%")
     args = ap.parse_args(argv)
     check_args(ap, args)
     return ap, args
@@ -463,10 +415,7 @@ def main(argv=None) -> None:
         ap.error(str(e))
     rows: list[dict] = []
     try:
-        if args.paper_table:
-            paper_table(args, cfg, lengths, rows)
-        else:
-            sweep(args, cfg, cost, lengths, rows)
+        sweep(args, cfg, cost, lengths, rows)
     except KeyboardInterrupt:  # keep the finished rows
         print(f"\nsim: interrupted; {len(rows)} finished runs kept", file=sys.stderr)
     if args.json and rows:
