@@ -198,25 +198,29 @@ class RotaSched(Policy):
                  displace running requests like a new one (LVF as DESIGN.md reads it);
       gate       "any": a waiting request that does not fit may rotate others out (the paper's
                  "admit while VLT >= 0" with the ReLU); "due": only once its signed lag is >= 0;
-      quantum    seconds a request must run before it may be rotated out (0 = off).
+                 "viable": only while it can still meet its TTFT SLO (rotating for a request
+                 already past it buys no attainment and costs the victims' token gaps);
+      quantum    seconds a request must run before it may be rotated out (0 = off);
+      budget     rotations per token generated, engine-wide (0 = no limit): each rotation is a
+                 long gap for its victim, so below 1% of all gaps they leave the TBT p99 alone.
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
     CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("free", "rotate"),
-               "gate": ("any", "due")}
+               "gate": ("any", "due", "viable")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
-              "rotations": float, "back": str, "gate": str, "quantum": float}
+              "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
-                 alpha_on: str = "rotary", rotations: float = 2, back: str = "free",
-                 gate: str = "any", quantum: float = 0.0, duplex: bool = True,
+                 alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
+                 back: str = "free", gate: str = "any", quantum: float = 0.0, duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate)):
             if value not in self.CHOICES[key]:
                 raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
                                  f"got {value!r}")
         self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
-        self.rotations, self.back, self.gate = int(rotations), back, gate
+        self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
 
     def lag(self, r: Request, now: float) -> float:
@@ -249,7 +253,9 @@ class RotaSched(Policy):
     def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
         if c.status is Status.ROTARY and self.back == "free":
             return False
-        return self.gate == "any" or self.lag(c, now) >= 0
+        if self.gate == "viable" and c.status is Status.WAITING:
+            return now - c.arrival < (c.ttft_slo or self.ttft_slo)
+        return self.gate != "due" or self.lag(c, now) >= 0
 
     def spent(self, v: Request) -> bool:
         """Has v been rotated out as often as it may be?"""
@@ -259,6 +265,8 @@ class RotaSched(Policy):
         """Running requests that may be rotated out, first choice first. A victim must have made
         progress since it was admitted (no livelock), have run a full time slice, have rotations
         left, and be able to come back within one step's transfer budget."""
+        if self.budget and s.num_rotated >= self.budget * s.num_generated:
+            return []
         ok = [v for v in s.running if v.tokens_since_admit > 0 and not self.spent(v)
               and now - v.t_admitted >= self.quantum
               and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
@@ -377,6 +385,7 @@ class Scheduler:
         self.rotary: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_generated = self.num_rotated = 0   # tokens sampled, rotations out (all time)
         self.log = open(cfg.log_path, "w") if cfg.log_path else None
         settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
         self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
@@ -602,6 +611,7 @@ class Scheduler:
         self.rotary.append(r)
         r.status, r.t_queued = Status.ROTARY, plan.now
         r.rotations += 1
+        self.num_rotated += 1
         plan.rotated_out.append(r.rid)
         if proactive:
             plan.proactive.append(r.rid)
@@ -671,6 +681,7 @@ class Scheduler:
                 continue  # a prefill chunk: no token yet
             tok = sampled[r.rid]
             r.output.append(tok)
+            self.num_generated += 1
             r.token_times.append(now)
             r.t_last_token = now
             r.tokens_since_admit += 1

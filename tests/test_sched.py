@@ -166,6 +166,23 @@ def test_rotasched_rotates_the_longest_running_decode_for_a_new_request():
     assert s.bm.num_fenced == 1            # r1's dirty block waits for its copy to land
 
 
+def test_gate_viable_rotates_only_for_a_request_that_can_still_meet_its_ttft_slo():
+    """S_TTFT is 1 s here: at 0.9 s "new" can still make it, at 1.2 s it cannot."""
+    assert rotation_setup(policy="rotasched:gate=viable").schedule(0.9).rotated_out == ["r1"]
+    plan = rotation_setup(policy="rotasched:gate=viable").schedule(1.2)
+    assert not plan.rotated_out and not plan.admitted
+    assert rotation_setup().schedule(1.2).rotated_out == ["r1"]     # gate=any still does
+
+
+def test_rotation_budget_caps_rotations_per_generated_token():
+    s = rotation_setup(policy="rotasched:budget=0.1")   # 6 tokens so far: 0.6 rotations
+    assert s.num_generated == 6 and s.schedule(0.3).rotated_out == ["r1"]
+    s = rotation_setup(policy="rotasched:budget=0.1")
+    s.num_rotated = 1                                   # the budget is spent
+    plan = s.schedule(0.3)
+    assert not plan.rotated_out and not plan.admitted
+
+
 def test_rotation_is_all_or_nothing():
     """Victims that cannot make room for the candidate are not rotated out at all."""
     s = rotation_setup(prompt=30)          # 8 blocks: 4 free + 1 clean block per victim = 7
