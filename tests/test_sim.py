@@ -108,3 +108,25 @@ def test_bad_arguments_are_one_line_errors(argv, match, capsys):
 def test_huge_rate_is_capped_and_zero_arrivals_are_skipped(capsys):
     main(["--rates", "1e-6", "--duration", "1", "--policies", "fcfs"])
     assert "no request arrives" in capsys.readouterr().out
+
+
+def test_claim_sweep_writes_judged_files_and_reruns_one_policy(tmp_path, capsys):
+    """tools.claim: one JSON file per (setting, workload) whose rows carry their settings; a
+    rerun of one policy keeps the other policies' rows from the files already there."""
+    import json
+    from tools import claim
+    args = ["--out", str(tmp_path), "--settings", "gh200-96:qwen2.5-32b", "--workloads", "conv",
+            "--factors", "1.5", "--duration", "6", "--jobs", "1"]
+    claim.main(args)
+    path = tmp_path / "gh200-96_qwen2.5-32b_conv.json"
+    rows = json.loads(path.read_text())
+    assert sorted(r["policy"] for r in rows) == sorted(claim.POLICIES)
+    assert all(r["ttft_slo_s"] == 5.0 and r["saturation_factor"] == 1.5 for r in rows)
+    assert "gh200-96_qwen2.5-32b_conv: best TTFT gain" in capsys.readouterr().out
+    before = {r["policy"]: r for r in rows}
+    claim.main(args + ["--policies", "rotasched"])
+    rerun = json.loads(path.read_text())
+    again = {r["policy"]: r for r in rerun}
+    assert len(rerun) == len(rows) and again["fcfs"] == before["fcfs"]
+    with pytest.raises(SystemExit):
+        claim.main(args + ["--policies", "nope"])

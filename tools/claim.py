@@ -126,6 +126,9 @@ def parse_args(argv):
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="the policies to run; the other rows are read from the JSON files already "
+                         "in --out (to rerun rotasched alone after changing it)")
     args = ap.parse_args(argv)
     args.settings, args.workloads = args.settings.split(","), args.workloads.split(",")
     for s in args.settings:
@@ -141,19 +144,35 @@ def parse_args(argv):
         ap.error(f"--factors: {e}")
     if not all(f > 0 for f in args.factors) or not args.duration > 0 or args.jobs < 1:
         ap.error("--factors and --duration must be > 0, --jobs >= 1")
+    args.policies = args.policies.split(",")
+    if not set(args.policies) <= set(POLICIES):
+        ap.error(f"--policies: choose from {', '.join(POLICIES)}")
     return args
+
+
+def kept_rows(args) -> list[dict]:
+    """Rows of the policies not being run, from the JSON files already in --out."""
+    rows = []
+    for s in args.settings:
+        for w in args.workloads:
+            path = os.path.join(args.out, f"{s.replace(':', '_')}_{w}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows += [r for r in json.load(f) if r["policy"] not in args.policies
+                             and r["saturation_factor"] in args.factors]
+    return rows
 
 
 def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.makedirs(args.out, exist_ok=True)
-    t, rows = time.perf_counter(), []
+    t, rows = time.perf_counter(), kept_rows(args)
     try:
         with ProcessPoolExecutor(args.jobs) as pool:
             pairs = [(s, w) for w in args.workloads for s in args.settings]
             sats = dict(zip(pairs, pool.map(saturation, *zip(*pairs), [args.seed] * len(pairs))))
             jobs = [(s, w, p, round(sats[(s, w)] * f, 2), f, args.duration, args.seed)
-                    for (s, w) in pairs for f in args.factors for p in POLICIES]
+                    for (s, w) in pairs for f in args.factors for p in args.policies]
             for row in pool.map(run_one, jobs):
                 rows.append(row)
     except KeyboardInterrupt:
