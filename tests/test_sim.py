@@ -130,3 +130,12 @@ def test_claim_sweep_writes_judged_files_and_reruns_one_policy(tmp_path, capsys)
     assert len(rerun) == len(rows) and again["fcfs"] == before["fcfs"]
     with pytest.raises(SystemExit):
         claim.main(args + ["--policies", "nope"])
+    capsys.readouterr()
+    claim.main(args + ["--ablate", "rotasched:rotations=1;rotasched:gate=viable"])
+    out = capsys.readouterr().out
+    assert "_conv rotasched:rotations=1: best TTFT gain" in out and "gate=viable: best" in out
+    abl = json.loads((tmp_path / "ablation_conv.json").read_text())
+    assert sorted(r["policy"] for r in abl) == ["rotasched:gate=viable", "rotasched:rotations=1"]
+    assert {r["rate"] for r in abl} == {before["fcfs"]["rate"]}  # the sweep's arrivals
+    with pytest.raises(SystemExit):
+        claim.main(args + ["--ablate", "rotasched:nope=1"])

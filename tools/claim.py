@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 from superinfer import EngineConfig, Parser
 from tools.sim import (MODELS, PROFILES, CostModel, azure_lengths, requests_at, run_policy,
@@ -129,6 +130,11 @@ def parse_args(argv):
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="the policies to run; the other rows are read from the JSON files already "
                          "in --out (to rerun rotasched alone after changing it)")
+    ap.add_argument("--ablate", default=None,
+                    help="';'-separated policy variants, e.g. 'rotasched:rotations=1;"
+                         "rotasched:gate=viable': run each on the arrivals of the files in --out, "
+                         "judge it by the same rules against their fcfs and fcfs-swap rows, write "
+                         "ablation_WORKLOAD.json there")
     args = ap.parse_args(argv)
     args.settings, args.workloads = args.settings.split(","), args.workloads.split(",")
     for s in args.settings:
@@ -147,6 +153,13 @@ def parse_args(argv):
     args.policies = args.policies.split(",")
     if not set(args.policies) <= set(POLICIES):
         ap.error(f"--policies: choose from {', '.join(POLICIES)}")
+    if args.ablate is not None:
+        args.ablate = [v for v in args.ablate.split(";") if v]
+        for v in args.ablate:
+            try:
+                replace(config(), policy=v)
+            except ValueError as e:
+                ap.error(f"--ablate: {v!r}: {e}")
     return args
 
 
@@ -163,8 +176,39 @@ def kept_rows(args) -> list[dict]:
     return rows
 
 
+def ablate(args) -> None:
+    """Each variant on the arrivals of the sweep's files, one verdict line per (file, variant)."""
+    base = kept_rows(argparse.Namespace(**{**vars(args), "policies": []}))
+    keys = sorted({(r["setting"], r["workload"], r["rate"], r["saturation_factor"])
+                   for r in base if r["policy"] == "fcfs"})
+    if not keys:
+        sys.exit(f"claim: --ablate needs the sweep's files in {args.out} for these settings, "
+                 "workloads and factors (run python -m tools.claim first)")
+    jobs = [(s, w, v, rate, f, args.duration, args.seed) for (s, w, rate, f) in keys
+            for v in args.ablate]
+    rows = []
+    try:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            rows += pool.map(run_one, jobs)
+    except KeyboardInterrupt:
+        print(f"\nclaim: interrupted; {len(rows)} finished runs kept", file=sys.stderr)
+    for w in args.workloads:
+        with open(os.path.join(args.out, f"ablation_{w}.json"), "w") as f:
+            json.dump([r for r in rows if r["workload"] == w], f, indent=1)
+        for s in args.settings:
+            mine = [r for r in base + rows if r["setting"] == s and r["workload"] == w]
+            for v in args.ablate:
+                if any(r["policy"] == v for r in mine):
+                    fails, summary = judge(mine, s, v)
+                    print(f"{s.replace(':', '_')}_{w} {v}: {summary}: " + (
+                        "every rule holds" if not fails else
+                        f"{len(fails)} shortfalls: " + "; ".join(fails[:4])))
+
+
 def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.ablate is not None:
+        return ablate(args)
     os.makedirs(args.out, exist_ok=True)
     t, rows = time.perf_counter(), kept_rows(args)
     try:
