@@ -4,6 +4,8 @@
                                            HF), the engine on 32 x 64 greedy tokens vs HF
                                            generate_batch and generate, GFLOP/s and GB/s against
                                            this machine's measured peaks, where a step's time goes
+    python -m tools.bench_speed --profile  a decode step at batch 32 and a prefill chunk, fp32
+                                           and bf16: ms per operator kind, FLOPs, bytes
     python -m tools.bench_speed --copies   KV copies: per-layer per-block (vLLM v0) vs merged
                                            block-first vs both directions at once, GB/s
 """
@@ -157,6 +159,52 @@ def step_split(model, prompts, out_len: int) -> dict:
     return split
 
 
+def op_split(fn, reps: int = 3) -> tuple[float, dict]:
+    """(best wall seconds of fn, {operator kind: CPU seconds per call}) under torch.profiler."""
+    wall = best_time(fn, reps)
+    with torch.profiler.profile() as prof:
+        for _ in range(reps):
+            fn()
+    ops: dict = {}
+    for e in prof.key_averages():
+        kind = OP_KINDS.get(e.key, "other ops")
+        ops[kind] = ops.get(kind, 0.0) + e.self_cpu_time_total / 1e6 / reps
+    return wall, ops
+
+
+def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
+                  chunk: int = 256) -> None:
+    """Where a decode step (batch x 1 token over ctx of context) and a chunked prefill step
+    (one chunk of `chunk` prompt tokens) spend their time, per operator kind, next to the step's
+    FLOPs and bytes (weights once, KV read per token of context)."""
+    bs = 16
+    for name, model in models.items():
+        cfg, dtype = model.cfg, model.embed.weight.dtype
+        size = torch.finfo(dtype).bits // 8
+        params = sum(p.numel() for p in model.parameters())
+        kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
+        attn_tok = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T + PV per ctx token
+        nblk = -(-(ctx + chunk) // bs)
+        pool = torch.zeros(batch * nblk, *model.kv_block_shape(bs), dtype=dtype)
+        tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)]
+        model(make_batch([Seq([7] * ctx, 0, t, False) for t in tables], bs), pool)
+        dec = make_batch([Seq([5], ctx, t, True) for t in tables], bs)
+        pre = make_batch([Seq([9] * chunk, 0, tables[0], False)], bs)
+        for label, fn, tokens, pairs, kv_read in (
+                (f"decode, batch {batch} x ctx {ctx}", lambda: model(dec, pool), batch,
+                 batch * ctx, batch * ctx * kv_tok),
+                (f"prefill chunk of {chunk}", lambda: model(pre, pool), chunk,
+                 chunk * (chunk + 1) // 2, chunk * kv_tok)):
+            wall, ops = op_split(fn)
+            flops = 2 * params * tokens + attn_tok * pairs
+            nbytes = params * size + kv_read
+            split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(ops.items(),
+                                                                     key=lambda kv: -kv[1]))
+            print(f"  {name} {label}: {1e3 * wall:.1f} ms; {flops / 1e9:.1f} GFLOP "
+                  f"({flops / wall / 1e9:.0f} GFLOP/s, {flops / wall / peak:.0%} of the fp32 "
+                  f"peak), {nbytes / 2**20:.0f} MiB read; ms: {split}")
+
+
 def hf_generate_batch(hf, prompts, out_len: int, num_seqs: int) -> float:
     """Tokens/s of HF transformers' continuous batching (generate_batch) on the same work."""
     from transformers import GenerationConfig
@@ -269,6 +317,8 @@ def main(argv=None) -> None:
     ap = Parser(prog="python -m tools.bench_speed", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", action="store_true", help="the KV copy benchmark instead")
+    ap.add_argument("--profile", action="store_true",
+                    help="where a decode step and a prefill chunk spend their time, fp32 and bf16")
     ap.add_argument("--requests", type=int, default=32, help="requests in the engine benchmark")
     ap.add_argument("--output", type=int, default=64, help="tokens each generates")
     ap.add_argument("--mib", type=int, default=256, help="copies: KV bytes moved each way (MiB)")
@@ -279,6 +329,13 @@ def main(argv=None) -> None:
             ap.error(f"--{name} must be >= 1")
     if args.copies:
         print_copies(bench_copies(args.mib, device=args.device))
+    elif args.profile:
+        cfg, tensors = read_gguf(embedded_gguf_path())
+        models = {d: build_model(cfg, {k: v.clone() for k, v in tensors.items()}, "cpu",
+                                 getattr(torch, d), "embedded") for d in ("float32", "bfloat16")}
+        peak, _ = machine_limits()
+        print(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
+        profile_steps(models, peak)
     else:
         run_speed(args.requests, args.output)
 
