@@ -6,6 +6,8 @@
                                            this machine's measured peaks, where a step's time goes
     python -m tools.bench_speed --profile  a decode step at batch 32 and a prefill chunk, fp32
                                            and bf16: ms per operator kind, FLOPs, bytes
+    python -m tools.bench_speed --gemm     each weight shape of the model at 1/32/256 rows,
+                                           F.linear (BLAS) vs oneDNN (model.Linear), fp32/bf16
     python -m tools.bench_speed --copies   KV copies: per-layer per-block (vLLM v0) vs merged
                                            block-first vs both directions at once, GB/s
 """
@@ -268,6 +270,32 @@ def run_speed(num_requests: int = 32, out_len: int = 64, batches=(1, 32, 64)) ->
     return res
 
 
+def bench_gemm(rows=(1, 32, 256)) -> None:
+    """Each of the embedded model's weight shapes, F.linear (BLAS) vs model.Linear (oneDNN)."""
+    import torch.nn.functional as F
+    from model import Linear
+    cfg, _ = read_gguf(embedded_gguf_path())
+    kvh = cfg.num_kv_heads * cfg.head_dim
+    shapes = {"wqkv": (cfg.hidden_size, cfg.num_heads * cfg.head_dim + 2 * kvh),
+              "wo": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+              "w13": (cfg.hidden_size, 2 * cfg.intermediate_size),
+              "w2": (cfg.intermediate_size, cfg.hidden_size),
+              "lm_head": (cfg.hidden_size, cfg.vocab_size)}
+    print(f"{'weight':<9}{'dtype':>6}{'rows':>6}{'F.linear ms':>13}{'oneDNN ms':>11}{'speed-up':>10}"
+          f"{'max |diff|':>12}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (k, n) in shapes.items():
+            lin = Linear(k, n).to(dtype)
+            for m in rows:
+                x = torch.randn(m, k, dtype=dtype)
+                with torch.inference_mode():
+                    a = best_time(lambda: F.linear(x, lin.weight), 10)
+                    b = best_time(lambda: lin(x), 10)
+                    diff = (lin(x) - F.linear(x, lin.weight)).abs().max().item()
+                print(f"{name:<9}{str(dtype)[6:]:>6}{m:>6}{a * 1e3:13.3f}{b * 1e3:11.3f}"
+                      f"{a / b:9.2f}x{diff:12.2e}")
+
+
 # ---------------------------------------------------------------- KV copies
 
 def bench_copies(total_mib: int = 256, block_size: int = 16, layers: int = 30, kv_heads: int = 3,
@@ -319,6 +347,8 @@ def main(argv=None) -> None:
     ap.add_argument("--copies", action="store_true", help="the KV copy benchmark instead")
     ap.add_argument("--profile", action="store_true",
                     help="where a decode step and a prefill chunk spend their time, fp32 and bf16")
+    ap.add_argument("--gemm", action="store_true",
+                    help="the model's weight shapes through F.linear and through oneDNN")
     ap.add_argument("--requests", type=int, default=32, help="requests in the engine benchmark")
     ap.add_argument("--output", type=int, default=64, help="tokens each generates")
     ap.add_argument("--mib", type=int, default=256, help="copies: KV bytes moved each way (MiB)")
@@ -329,6 +359,8 @@ def main(argv=None) -> None:
             ap.error(f"--{name} must be >= 1")
     if args.copies:
         print_copies(bench_copies(args.mib, device=args.device))
+    elif args.gemm:
+        bench_gemm()
     elif args.profile:
         cfg, tensors = read_gguf(embedded_gguf_path())
         models = {d: build_model(cfg, {k: v.clone() for k, v in tensors.items()}, "cpu",
