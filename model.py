@@ -160,23 +160,6 @@ def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "c
 
 # ---------------------------------------------------------------- the modules
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_available() else ()
-
-
-class Linear(nn.Linear):
-    """nn.Linear without bias. On a CPU it calls oneDNN's matmul (the op torch.compile's CPU
-    backend emits for a linear layer) instead of F.linear's BLAS path: 1.3-2.5x faster at the
-    small row counts of decode on this project's CPUs (python -m tools.bench_speed --gemm)."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and torch.backends.mkldnn.enabled:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -191,8 +174,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wqkv = Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d)
-        self.wo = Linear(self.h * self.d, cfg.hidden_size)
+        self.wqkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=False)
+        self.wo = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
         T = x.shape[0]
@@ -235,8 +218,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.w13 = Linear(cfg.hidden_size, 2 * self.inter)  # gate and up, fused
-        self.w2 = Linear(self.inter, cfg.hidden_size)
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.inter, dim=-1)
@@ -265,7 +248,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

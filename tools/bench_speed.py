@@ -7,7 +7,8 @@
     python -m tools.bench_speed --profile  a decode step at batch 32 and a prefill chunk, fp32
                                            and bf16: ms per operator kind, FLOPs, bytes
     python -m tools.bench_speed --gemm     each weight shape of the model at 1/32/256 rows,
-                                           F.linear (BLAS) vs oneDNN (model.Linear), fp32/bf16
+                                           F.linear vs oneDNN's matmul, fp32/bf16, and the
+                                           memory oneDNN keeps per input shape
     python -m tools.bench_speed --copies   KV copies: per-layer per-block (vLLM v0) vs merged
                                            block-first vs both directions at once, GB/s
 """
@@ -272,9 +273,11 @@ def run_speed(num_requests: int = 32, out_len: int = 64, batches=(1, 32, 64)) ->
 
 
 def bench_gemm(rows=(1, 32, 256)) -> None:
-    """Each of the embedded model's weight shapes, F.linear (BLAS) vs model.Linear (oneDNN)."""
+    """Each of the embedded model's weight shapes through F.linear (what model.py calls) and
+    through oneDNN's matmul (torch.ops.mkldnn._linear_pointwise, the op torch.compile's CPU
+    backend emits), and the resident memory oneDNN kept after one call per row count: it caches
+    state per input shape, and an engine step's row count changes every step."""
     import torch.nn.functional as F
-    from model import Linear
     cfg, _ = read_gguf(embedded_gguf_path())
     kvh = cfg.num_kv_heads * cfg.head_dim
     shapes = {"wqkv": (cfg.hidden_size, cfg.num_heads * cfg.head_dim + 2 * kvh),
@@ -282,19 +285,26 @@ def bench_gemm(rows=(1, 32, 256)) -> None:
               "w13": (cfg.hidden_size, 2 * cfg.intermediate_size),
               "w2": (cfg.intermediate_size, cfg.hidden_size),
               "lm_head": (cfg.hidden_size, cfg.vocab_size)}
-    print(f"{'weight':<9}{'dtype':>6}{'rows':>6}{'F.linear ms':>13}{'oneDNN ms':>11}{'speed-up':>10}"
-          f"{'max |diff|':>12}")
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, (k, n) in shapes.items():
-            lin = Linear(k, n).to(dtype)
-            for m in rows:
-                x = torch.randn(m, k, dtype=dtype)
-                with torch.inference_mode():
-                    a = best_time(lambda: F.linear(x, lin.weight), 10)
-                    b = best_time(lambda: lin(x), 10)
-                    diff = (lin(x) - F.linear(x, lin.weight)).abs().max().item()
-                print(f"{name:<9}{str(dtype)[6:]:>6}{m:>6}{a * 1e3:13.3f}{b * 1e3:11.3f}"
-                      f"{a / b:9.2f}x{diff:12.2e}")
+    dnn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    print(f"{'weight':<9}{'dtype':>6}{'rows':>6}{'F.linear ms':>13}{'oneDNN ms':>11}"
+          f"{'speed-up':>10}{'max |diff|':>12}")
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, (k, n) in shapes.items():
+                w = torch.randn(n, k, dtype=dtype) * 0.02
+                for m in rows:
+                    x = torch.randn(m, k, dtype=dtype)
+                    a = best_time(lambda: F.linear(x, w), 10)
+                    b = best_time(lambda: dnn(x, w), 10)
+                    diff = (dnn(x, w) - F.linear(x, w)).abs().max().item()
+                    print(f"{name:<9}{str(dtype)[6:]:>6}{m:>6}{a * 1e3:13.3f}{b * 1e3:11.3f}"
+                          f"{a / b:9.2f}x{diff:12.2e}")
+        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+        w, before = torch.randn(cfg.vocab_size, cfg.hidden_size), rss()
+        for m in range(1, 257):
+            dnn(torch.randn(m, cfg.hidden_size), w)
+        print(f"oneDNN, lm_head at 1..256 rows once each: resident memory "
+              f"+{rss() - before:.0f} MiB")
 
 
 # ---------------------------------------------------------------- KV copies

@@ -34,10 +34,10 @@ def server_command(kind: str, args, port: int) -> tuple[list[str], dict]:
     threads = f"0-{(os.cpu_count() or 1) - 1}"
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": threads, "PYTHONPATH": ROOT,
                         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
-    if kind == "vllm":
+    if kind == "vllm":  # its own block size: its CPU attention takes only multiples of 32 tokens
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 args.ckpt, "--served-model-name", NAME, "--dtype", "float32", "--port",
-                str(port), "--max-model-len", "2048", "--block-size", "16"], env
+                str(port), "--max-model-len", "2048"], env
     blocks = int(args.kv_gib * 2**30) // (30 * 2 * 16 * 3 * 64 * 4)  # fp32 SmolLM2 blocks
     return [sys.executable, "superinfer.py", "serve", "--model", args.ckpt, "--port", str(port),
             "--served-model-name", NAME, "--policy", kind.removeprefix("ours-"),
@@ -84,7 +84,7 @@ def run_server(kind: str, args, k: int, rows: list[dict]) -> None:
     proc = start(kind, args, args.port)
     try:
         base = f"http://127.0.0.1:{args.port}"
-        items, prompts = workload(args, 1.0, 99)
+        items, prompts = workload(args, 1.0, 9)  # trace offset 9,000: not a measured slice
         serve(base, NAME, items[:2], prompts[:2], "warm-up", 120)
         for rate in args.rates:
             items, prompts = workload(args, rate, k)
@@ -122,7 +122,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default="1,2,4,6")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=40.0, help="of arrivals per rate")
-    ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--kv-gib", type=int, default=1,
+                    help="KV cache of each server in whole GiB (vLLM takes an integer)")
     ap.add_argument("--ttft-slo", type=float, default=1.72)
     ap.add_argument("--tbt-slo", type=float, default=0.273)
     ap.add_argument("--port", type=int, default=8123)
