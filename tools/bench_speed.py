@@ -133,10 +133,20 @@ def timed_call(fn, timers: dict, name: str, sync=None):
 
 
 OP_KINDS = {"aten::mm": "GEMMs", "aten::addmm": "GEMMs", "aten::bmm": "GEMMs",
-            "mkldnn::_linear_pointwise": "GEMMs",
             "aten::index_select": "KV gather", "aten::index": "KV gather",
             "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
             "aten::_index_put_impl_": "KV write"}
+
+
+def op_kinds(prof, cuda: bool = False) -> dict:
+    """Self time per operator kind (OP_KINDS) in a torch.profiler run, in microseconds; on a GPU
+    the operators' device time."""
+    ops: dict = {}
+    for e in prof.key_averages():
+        kind = OP_KINDS.get(e.key, "other ops")
+        ops[kind] = ops.get(kind, 0.0) + (e.self_device_time_total if cuda
+                                          else e.self_cpu_time_total)
+    return ops
 
 
 def step_split(model, prompts, out_len: int) -> dict:
@@ -148,12 +158,7 @@ def step_split(model, prompts, out_len: int) -> dict:
     total = time.perf_counter() - t0
     with torch.profiler.profile() as prof:   # op shares of the forward, from a second run
         engine_run(model, prompts, max(2, out_len // 4))
-    ops: dict = {}
-    cuda = next(model.parameters()).is_cuda
-    for e in prof.key_averages():   # on a GPU, the operators' device time
-        kind = OP_KINDS.get(e.key, "other ops")
-        spent = e.self_device_time_total if cuda else e.self_cpu_time_total
-        ops[kind] = ops.get(kind, 0.0) + spent
+    ops = op_kinds(prof, next(model.parameters()).is_cuda)
     op_total = sum(ops.values())
     steps = timers["steps"]
     split = {k: 1e3 * timers["forward"] * v / op_total / steps for k, v in ops.items()}
@@ -169,11 +174,7 @@ def op_split(fn, reps: int = 3) -> tuple[float, dict]:
     with torch.profiler.profile() as prof:
         for _ in range(reps):
             fn()
-    ops: dict = {}
-    for e in prof.key_averages():
-        kind = OP_KINDS.get(e.key, "other ops")
-        ops[kind] = ops.get(kind, 0.0) + e.self_cpu_time_total / 1e6 / reps
-    return wall, ops
+    return wall, {k: v / 1e6 / reps for k, v in op_kinds(prof).items()}
 
 
 def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
