@@ -154,6 +154,10 @@ class Policy:
     def before_run(self, s: Scheduler, plan: StepPlan, now: float) -> None:
         """Proactive work before the running requests are scheduled (none by default)."""
 
+    def stalled(self, r: Request, now: float) -> bool:
+        """Is rotary r's token gap, now, one the policy counts as a stall?"""
+        return False
+
 
 class PriorityPolicy(Policy):
     """vLLM v1 priority: (priority, arrival); the victim is the lowest-priority running request,
@@ -202,26 +206,35 @@ class RotaSched(Policy):
                  already past it buys no attainment and costs the victims' token gaps);
       quantum    seconds a request must run before it may be rotated out (0 = off);
       budget     rotations per token generated, engine-wide (0 = no limit): each rotation is a
-                 long gap for its victim, so below 1% of all gaps they leave the TBT p99 alone.
+                 long gap for its victim, so below 1% of all gaps they leave the TBT p99 alone;
+      stalls     the TBT tail as a budget: no rotation for a candidate while the stalls so far
+                 (rotated-out requests that were, or are, out longer than `stall` TBT SLOs)
+                 reach this share of the tokens generated (0 = no limit; 0.01: the p99);
+      pick       the victim of a reactive preemption (a running request needs a block): "lag",
+                 the longest-running decode (the tail of the VLT order), or "last", the last
+                 admitted (vLLM's; the newest holds the least KV, so it comes back soonest).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
     CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("free", "rotate"),
-               "gate": ("any", "due", "viable")}
+               "gate": ("any", "due", "viable"), "pick": ("lag", "last")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
-              "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float}
+              "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
+              "stalls": float, "stall": float, "pick": str}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
-                 back: str = "free", gate: str = "any", quantum: float = 0.0, duplex: bool = True,
+                 back: str = "free", gate: str = "any", quantum: float = 0.0,
+                 stalls: float = 0.01, stall: float = 4.0, pick: str = "last", duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
-        for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate)):
+        for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick)):
             if value not in self.CHOICES[key]:
                 raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
                                  f"got {value!r}")
         self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
+        self.stalls, self.stall, self.pick = stalls, stall, pick
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -267,12 +280,20 @@ class RotaSched(Policy):
         left, and be able to come back within one step's transfer budget."""
         if self.budget and s.num_rotated >= self.budget * s.num_generated:
             return []
+        if self.stalls and (s.num_stalls + sum(self.stalled(r, now) for r in s.rotary)
+                            >= self.stalls * s.num_generated):
+            return []
         ok = [v for v in s.running if v.tokens_since_admit > 0 and not self.spent(v)
               and now - v.t_admitted >= self.quantum
               and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
         return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
 
+    def stalled(self, r, now):
+        return now - r.t_last_token > self.stall * (r.tbt_slo or self.tbt_slo)
+
     def victim(self, s, r, now):
+        if self.pick == "last":
+            return s.running[-1]
         others = [v for v in s.running if v is not r and v.tokens_since_admit > 0]
         return min(others, key=lambda v: (self.spent(v), not v.in_decode, self.lag(v, now),
                                           v.seq), default=r)
@@ -386,6 +407,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_generated = self.num_rotated = 0   # tokens sampled, rotations out (all time)
+        self.num_stalls = 0                         # rotated-in requests the policy saw stalled
         self.log = open(cfg.log_path, "w") if cfg.log_path else None
         settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
         self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
@@ -554,6 +576,7 @@ class Scheduler:
     def _start(self, plan: StepPlan, c: Request, now: float) -> None:
         n = self._first_chunk(c, self._budget)
         if c.status is Status.ROTARY:
+            self.num_stalls += self.policy.stalled(c, now)
             pairs = self.bm.swap_in(c.rid)
             self._count_moves(len(pairs), proactive=False)
             plan.swap_in += pairs

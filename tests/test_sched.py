@@ -183,6 +183,57 @@ def test_rotation_budget_caps_rotations_per_generated_token():
     assert not plan.rotated_out and not plan.admitted
 
 
+def test_stall_budget_caps_long_gaps_per_generated_token():
+    """stalls: no rotation for a candidate once rotated-out requests that were, or are, out
+    longer than `stall` TBT SLOs reach that share of the tokens so far (6 here)."""
+    s = rotation_setup(policy="rotasched:stalls=0.2")       # 1.2 stalls allowed
+    assert s.schedule(0.3).rotated_out == ["r1"]
+    s = rotation_setup(policy="rotasched:stalls=0.2")
+    s.num_stalls = 2                                        # two came back after a stall
+    plan = s.schedule(0.3)
+    assert not plan.rotated_out and not plan.admitted
+    s = rotation_setup(policy="rotasched:stalls=0.2,stall=4")
+    s.num_stalls = 1
+    assert step_once(s, 0.3).rotated_out == ["r1"]          # 1 + r1 out now: 2 >= 1.2 ...
+    r1 = s.requests["r1"]
+    assert not s.policy.stalled(r1, r1.t_last_token + 0.4)  # ... once r1 is out > 4 x 0.1 s
+    assert s.policy.stalled(r1, r1.t_last_token + 0.41)
+    assert s.policy.victims(s, None, r1.t_last_token + 0.3)  # 1 stall + r1 not yet: 1 < 1.2
+    assert s.policy.victims(s, None, r1.t_last_token + 0.5) == []   # 1 + r1 stalled: 2
+    s = rotation_setup(policy="rotasched:stalls=0")          # 0 = no limit
+    s.num_stalls = 99
+    assert s.schedule(0.3).rotated_out == ["r1"]
+
+
+def test_a_stall_is_counted_when_a_rotated_out_request_comes_back_late():
+    s = rotation_setup()
+    assert step_once(s, 0.6).rotated_out == ["r1"]
+    s.abort("new")
+    r1 = s.requests["r1"]
+    step_once(s, r1.t_last_token + 0.3)                     # back within 4 TBT SLOs
+    assert s.num_stalls == 0 and r1.status is Status.RUNNING
+    s = rotation_setup()
+    assert step_once(s, 0.6).rotated_out == ["r1"]
+    s.abort("new")
+    step_once(s, s.requests["r1"].t_last_token + 0.5)       # back after 5
+    assert s.num_stalls == 1
+
+
+@pytest.mark.parametrize("pick", ["lag", "last"])
+def test_reactive_preemption_victim(pick):
+    """A running request that needs a block preempts the last admitted (pick=last, vLLM's) or
+    the longest-running decode (pick=lag, the tail of the VLT order)."""
+    s = make_sched(f"rotasched:pick={pick}", dev=6, host=64, bs=4, max_num_seqs=8,
+                   max_num_batched_tokens=64, ttft_slo=1.0, tbt_slo=0.1)
+    for i in range(3):
+        s.add(Request(f"r{i}", 7, 16, 0.0))       # 2 blocks each: the pool is full
+    step_once(s, 0.0)
+    step_once(s, 0.05)                            # every one needs its third block now
+    s.requests["r1"].t_admitted = -5.0            # r1 has run longest
+    plan = step_once(s, 0.1)
+    assert plan.rotated_out == (["r2"] if pick == "last" else ["r1"]) and not plan.proactive
+
+
 def test_rotation_is_all_or_nothing():
     """Victims that cannot make room for the candidate are not rotated out at all."""
     s = rotation_setup(prompt=30)          # 8 blocks: 4 free + 1 clean block per victim = 7
