@@ -66,24 +66,35 @@ def saturation(setting: str, workload: str, seed: int) -> float:
     return saturation_rate(CostModel(MODELS[model], PROFILES[hw]), lengths, seed, config())
 
 
+def score(rows: list[dict], policy: str = "rotasched") -> dict:
+    """One policy against fcfs and fcfs-swap over a file's rates: its best TTFT gains (points),
+    worst TBT p99 and throughput ratios to fcfs's, and every do-no-harm shortfall."""
+    by = {(r["policy"], r["rate"]): r for r in rows}
+    out = {"gain": -100.0, "gain_swap": -100.0, "p99": 0.0, "throughput": 9.0, "harms": []}
+    for rate in sorted({r["rate"] for r in rows if r["policy"] == policy}):
+        mine, base, swap = by[(policy, rate)], by[("fcfs", rate)], by.get(("fcfs-swap", rate))
+        out["harms"] += [f"rate {rate:g}: {h}" for h in harms(base, mine, swap)]
+        out["gain"] = max(out["gain"], 100 * (mine["ttft_attainment"] - base["ttft_attainment"]))
+        if swap:
+            out["gain_swap"] = max(out["gain_swap"],
+                                   100 * (mine["ttft_attainment"] - swap["ttft_attainment"]))
+        out["p99"] = max(out["p99"], mine["tbt_p99_s"] / max(base["tbt_p99_s"], 1e-9))
+        out["throughput"] = min(out["throughput"],
+                                mine["throughput_tok_s"] / max(base["throughput_tok_s"], 1e-9))
+    return out
+
+
 def judge(rows: list[dict], setting: str, policy: str = "rotasched") -> tuple[list[str], str]:
     """(shortfalls, summary) of one file's rows by the claim's rules."""
     goal_f, goal_s = GAINS.get(setting, DEFAULT_GAIN)
-    by = {(r["policy"], r["rate"]): r for r in rows}
-    fails, best_f, best_s, worst_p99, worst_thr = [], -100.0, -100.0, 0.0, 9.0
-    for rate in sorted({r["rate"] for r in rows}):
-        mine, base, swap = by[(policy, rate)], by[("fcfs", rate)], by.get(("fcfs-swap", rate))
-        fails += [f"rate {rate:g}: {h}" for h in harms(base, mine, swap)]
-        best_f = max(best_f, 100 * (mine["ttft_attainment"] - base["ttft_attainment"]))
-        if swap:
-            best_s = max(best_s, 100 * (mine["ttft_attainment"] - swap["ttft_attainment"]))
-        worst_p99 = max(worst_p99, mine["tbt_p99_s"] / max(base["tbt_p99_s"], 1e-9))
-        worst_thr = min(worst_thr, mine["throughput_tok_s"] / max(base["throughput_tok_s"], 1e-9))
-    if best_f < goal_f or best_s < goal_s:
-        fails.append(f"best TTFT gain {best_f:+.1f} / {best_s:+.1f} points (goal {goal_f:+g} over "
-                     f"fcfs, {goal_s:+g} over fcfs-swap)")
-    return fails, (f"best TTFT gain {best_f:+.1f} pts vs fcfs, {best_s:+.1f} vs fcfs-swap; worst "
-                   f"TBT p99 {worst_p99:.2f}x fcfs's, worst throughput {worst_thr:.3f}x")
+    sc = score(rows, policy)
+    fails = list(sc["harms"])
+    if sc["gain"] < goal_f or sc["gain_swap"] < goal_s:
+        fails.append(f"best TTFT gain {sc['gain']:+.1f} / {sc['gain_swap']:+.1f} points (goal "
+                     f"{goal_f:+g} over fcfs, {goal_s:+g} over fcfs-swap)")
+    return fails, (f"best TTFT gain {sc['gain']:+.1f} pts vs fcfs, {sc['gain_swap']:+.1f} vs "
+                   f"fcfs-swap; worst TBT p99 {sc['p99']:.2f}x fcfs's, worst throughput "
+                   f"{sc['throughput']:.3f}x")
 
 
 def plot(rows: list[dict], settings: list[str], workload: str, path: str) -> None:
