@@ -7,11 +7,11 @@ its worst TBT p99 (as a multiple of fcfs's), and whether every do-no-harm rule h
 
 GH200 points come from `python -m tools.claim` (the default `rotasched`) and every
 `ablation_conv*.json` of `python -m tools.claim --ablate ...` there (the variants), conversation
-workload, every rate each was run at. The CPU
-point of a variant replays `python bench.py`'s default workload (the same trace slices, pool,
-limits and SLO rules, calibrated the way bench.py calibrates, but on the simulator's fixed `cpu`
-profile rather than on this machine) for --slices repeats: its gain is the median over slices,
-its p99 the worst, and it keeps the rules only where every slice does.
+workload, every rate each was run at. The CPU point of a variant replays a recorded `python
+bench.py --json` run (its pool, limits, SLOs, rate and request count) on the first --slices trace
+slices that `--repeat` would take, on the simulator's `cpu` profile at --flops rather than on
+this machine: its gain is the median over slices, its p99 the worst, and it keeps the rules
+only where every slice does.
 """
 from __future__ import annotations
 
