@@ -197,9 +197,14 @@ class RotaSched(Policy):
     first (the paper's tail of the VLT order). Ours, not the paper's, each a named parameter:
       rotations  a request is rotated out for others at most this many times (0 = no limit):
                  each rotation is one long token gap, so this bounds how many a request sees;
-      back       "free": a rotated-out request comes back into free room only, without rotating
-                 others out (and does not hold up the queue while it waits); "rotate": it may
-                 displace running requests like a new one (LVF as DESIGN.md reads it);
+      back       how a rotated-out request comes back. "fifo": into free room only, from a
+                 queue of its own served before the new requests, oldest first; the first that
+                 does not fit holds the rotated-out ones behind it, not the new ones (vLLM v0's
+                 swapped queue): returning in lag order instead (round robin) splits the time
+                 out into many gaps, each a TBT outlier. "free": into free room only, ranked
+                 with the new requests by lag, holding none up while it waits; "rotate": ranked
+                 likewise, and it may displace running requests like a new one (LVF as
+                 DESIGN.md reads it);
       gate       "any": a waiting request that does not fit may rotate others out (the paper's
                  "admit while VLT >= 0" with the ReLU); "due": only once its signed lag is >= 0;
                  "viable": only while it can still meet its TTFT SLO (rotating for a request
@@ -209,32 +214,39 @@ class RotaSched(Policy):
                  long gap for its victim, so below 1% of all gaps they leave the TBT p99 alone;
       stalls     the TBT tail as a budget: no rotation for a candidate while the stalls so far
                  (rotated-out requests that were, or are, out longer than `stall` TBT SLOs)
-                 reach this share of the tokens generated (0 = no limit; 0.01: the p99);
+                 reach this share of the tokens (0 = no limit). The p99 is 1% of the gaps;
+                 0.0075 leaves a quarter of it to the long gaps the load makes anyway;
+      of         those tokens: "admitted", generated so far plus still owed by the requests
+                 on the device or rotated out; "generated", so far only (small early on, so a
+                 burst early in a run may rotate little);
       pick       the victim of a reactive preemption (a running request needs a block): "lag",
                  the longest-running decode (the tail of the VLT order), or "last", the last
                  admitted (vLLM's; the newest holds the least KV, so it comes back soonest).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
-    CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("free", "rotate"),
-               "gate": ("any", "due", "viable"), "pick": ("lag", "last")}
+    CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("fifo", "free", "rotate"),
+               "gate": ("any", "due", "viable"), "pick": ("lag", "last"),
+               "of": ("admitted", "generated")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
-              "stalls": float, "stall": float, "pick": str}
+              "stalls": float, "stall": float, "pick": str, "of": str}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
-                 back: str = "free", gate: str = "any", quantum: float = 0.0,
-                 stalls: float = 0.01, stall: float = 4.0, pick: str = "last", duplex: bool = True,
+                 back: str = "fifo", gate: str = "any", quantum: float = 0.0,
+                 stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
+                 of: str = "admitted", duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
-        for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick)):
+        for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
+                           ("of", of)):
             if value not in self.CHOICES[key]:
                 raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
                                  f"got {value!r}")
         self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
-        self.stalls, self.stall, self.pick = stalls, stall, pick
+        self.stalls, self.stall, self.pick, self.of = stalls, stall, pick, of
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -258,13 +270,16 @@ class RotaSched(Policy):
         queued = s.waiting + s.rotary
         if s.fits_all(queued):  # step 1 of LVF: everyone fits, so FCFS
             return [sorted(queued, key=lambda r: (r.arrival, r.seq))]
+        if self.back == "fifo":
+            return [sorted(s.rotary, key=lambda r: (r.arrival, r.seq)),
+                    sorted(s.waiting, key=lambda r: self.rank(r, now))]
         return [sorted(queued, key=lambda r: self.rank(r, now))]
 
     def strict(self, c: Request) -> bool:
         return not (self.back == "free" and c.status is Status.ROTARY)
 
     def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
-        if c.status is Status.ROTARY and self.back == "free":
+        if c.status is Status.ROTARY and self.back != "rotate":
             return False
         if self.gate == "viable" and c.status is Status.WAITING:
             return now - c.arrival < (c.ttft_slo or self.ttft_slo)
@@ -281,12 +296,20 @@ class RotaSched(Policy):
         if self.budget and s.num_rotated >= self.budget * s.num_generated:
             return []
         if self.stalls and (s.num_stalls + sum(self.stalled(r, now) for r in s.rotary)
-                            >= self.stalls * s.num_generated):
+                            >= self.stalls * self.tokens(s)):
             return []
         ok = [v for v in s.running if v.tokens_since_admit > 0 and not self.spent(v)
               and now - v.t_admitted >= self.quantum
               and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
         return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
+
+    def tokens(self, s: Scheduler) -> int:
+        """What the stall budget is a share of: the tokens generated so far, and with
+        of=admitted also those the requests on the device or rotated out still owe (they will
+        be generated, so their gaps count towards the tail, while a burst's do not exist yet)."""
+        if self.of == "generated":
+            return s.num_generated
+        return s.num_generated + sum(r.max_tokens - len(r.output) for r in s.running + s.rotary)
 
     def stalled(self, r, now):
         return now - r.t_last_token > self.stall * (r.tbt_slo or self.tbt_slo)

@@ -5,7 +5,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sched import POLICIES, Request, RotaSched, Scheduler, Status, make_policy
+from sched import POLICIES, Request, RotaSched, Scheduler, Status, StepPlan, make_policy
 from superinfer import EngineConfig
 from tools import schedlog
 from tools.sim import MODELS, CostModel, Hardware, run_policy, simulate
@@ -185,14 +185,14 @@ def test_rotation_budget_caps_rotations_per_generated_token():
 
 def test_stall_budget_caps_long_gaps_per_generated_token():
     """stalls: no rotation for a candidate once rotated-out requests that were, or are, out
-    longer than `stall` TBT SLOs reach that share of the tokens so far (6 here)."""
-    s = rotation_setup(policy="rotasched:stalls=0.2")       # 1.2 stalls allowed
+    longer than `stall` TBT SLOs reach that share of the tokens so far (of=generated: 6 here)."""
+    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")  # 1.2 stalls allowed
     assert s.schedule(0.3).rotated_out == ["r1"]
-    s = rotation_setup(policy="rotasched:stalls=0.2")
+    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")
     s.num_stalls = 2                                        # two came back after a stall
     plan = s.schedule(0.3)
     assert not plan.rotated_out and not plan.admitted
-    s = rotation_setup(policy="rotasched:stalls=0.2,stall=4")
+    s = rotation_setup(policy="rotasched:stalls=0.2,stall=4,of=generated")
     s.num_stalls = 1
     assert step_once(s, 0.3).rotated_out == ["r1"]          # 1 + r1 out now: 2 >= 1.2 ...
     r1 = s.requests["r1"]
@@ -203,6 +203,18 @@ def test_stall_budget_caps_long_gaps_per_generated_token():
     s = rotation_setup(policy="rotasched:stalls=0")          # 0 = no limit
     s.num_stalls = 99
     assert s.schedule(0.3).rotated_out == ["r1"]
+
+
+def test_stall_budget_of_admitted_counts_the_tokens_still_owed():
+    """of=admitted (the default): the share is of the tokens generated (6) plus those the
+    running and rotated-out requests still owe (3 x 14), not of those still waiting."""
+    s = rotation_setup(policy="rotasched:stalls=0.2")       # 0.2 x 48 = 9.6 stalls allowed
+    assert s.policy.tokens(s) == 6 + 3 * 14
+    s.num_stalls = 9
+    assert s.schedule(0.3).rotated_out == ["r1"]
+    s = rotation_setup(policy="rotasched:stalls=0.2")
+    s.num_stalls = 10
+    assert not s.schedule(0.3).rotated_out
 
 
 def test_a_stall_is_counted_when_a_rotated_out_request_comes_back_late():
@@ -263,19 +275,45 @@ def test_a_request_is_rotated_out_at_most_rotations_times():
     assert s.schedule(0.9).rotated_out == ["r1"]
 
 
-@pytest.mark.parametrize("back", ["free", "rotate"])
+@pytest.mark.parametrize("back", ["fifo", "free", "rotate"])
 def test_a_parked_request_comes_back_into_free_room_or_by_rotation(back):
-    """back=free: a rotary request never displaces anyone and does not hold the queue behind it
-    back; back=rotate: it may displace running requests, and a candidate that cannot start
-    holds the rest back (strict LVF order)."""
+    """back=fifo/free: a rotary request never displaces anyone (free: nor holds the queue
+    behind it; fifo: it holds only the rotary queue, tested below); back=rotate: it may
+    displace running requests, and a candidate that cannot start holds the rest back (strict
+    LVF order)."""
     s = rotation_setup(policy=f"rotasched:back={back}")
     assert step_once(s, 0.6).rotated_out == ["r1"]         # for "new"
     r1, p = s.requests["r1"], s.policy
     assert p.may_rotate_for(s, r1, 0.7) == (back == "rotate")
-    assert p.strict(r1) == (back == "rotate") and p.strict(s.requests["new"])
+    assert p.strict(r1) == (back != "free") and p.strict(s.requests["new"])
     s.abort("new")                                          # room again: r1 simply comes back
     plan = step_once(s, 0.7)
     assert plan.rotated_in == ["r1"] and not plan.rotated_out
+
+
+def test_back_fifo_returns_rotated_out_requests_oldest_first_ahead_of_new_ones():
+    """The oldest rotary request comes back first although the younger has been out longer
+    (lag order would be round robin); while it does not fit it holds the younger one back,
+    and a new request that fits is admitted from its own queue."""
+    s = make_sched("rotasched", dev=10, host=64, bs=4, max_num_seqs=8,
+                   max_num_batched_tokens=64, ttft_slo=1.0, tbt_slo=0.1)
+    old, young = Request("old", 34, 4, 0.0), Request("young", 2, 4, 1.0)
+    new = Request("new", 2, 4, 2.0)
+    for r in (old, young, new):
+        s.add(r)
+    s.waiting.clear()
+    for r, out_since in ((old, 2.5), (young, 1.5)):
+        r.status, r.t_last_token, r.num_computed = Status.ROTARY, out_since, r.num_prompt
+        s.rotary.append(r)
+    s.waiting.append(new)
+    for back, first in (("fifo", "old"), ("free", "young")):
+        s.policy = make_policy(f"rotasched:back={back}", 1.0, 0.1)
+        queues = s.policy.queues(s, StepPlan(0, 3.0), 3.0)
+        assert queues[0][0].rid == first
+    s.policy = make_policy("rotasched", 1.0, 0.1)           # back=fifo, the default
+    assert [[r.rid for r in q] for q in s.policy.queues(s, StepPlan(0, 3.0), 3.0)] == [
+        ["old", "young"], ["new"]]
+    assert s.policy.strict(old) and not s.policy.may_rotate_for(s, old, 3.0)
 
 
 def test_time_slice_protects_recently_admitted_requests():

@@ -72,8 +72,11 @@ def cpu_points(variants: list[str], bench_json: str, slices: int, flops: float) 
     with open(bench_json) as f:
         data = json.load(f)
     run = (data["runs"] if isinstance(data, dict) else data)[0]
-    ap, args = bench.parse_args(["--seed", str(run["seed"]),
-                                 "--trace-offset", str(run["trace_offset"])])
+    argv = ["--seed", str(run["seed"]), "--trace-offset", str(run["trace_offset"]),
+            "--workload", run.get("workload") or "conv"]
+    if run.get("burstiness") is not None:
+        argv += ["--burstiness", str(run["burstiness"])]
+    ap, args = bench.parse_args(argv)
     cfg, cost = cpu_setup(bench, ap, args, run, flops)
     per = {v: [] for v in variants}
     for k in range(slices):
