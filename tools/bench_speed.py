@@ -133,6 +133,7 @@ def timed_call(fn, timers: dict, name: str, sync=None):
 
 
 OP_KINDS = {"aten::mm": "GEMMs", "aten::addmm": "GEMMs", "aten::bmm": "GEMMs",
+            "mkldnn::_linear_pointwise": "GEMMs",
             "aten::index_select": "KV gather", "aten::index": "KV gather",
             "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
             "aten::_index_put_impl_": "KV write"}

