@@ -219,6 +219,9 @@ class RotaSched(Policy):
       of         those tokens: "admitted", generated so far plus still owed by the requests
                  on the device or rotated out; "generated", so far only (small early on, so a
                  burst early in a run may rotate little);
+      out        which rotated-out requests count against it while still out: "all", each one
+                 (a stall to come: under load most are, and several out at once overshoot a
+                 small budget), or "stalled", only those already out longer than `stall`;
       pick       the victim of a reactive preemption (a running request needs a block): "lag",
                  the longest-running decode (the tail of the VLT order), or "last", the last
                  admitted (vLLM's; the newest holds the least KV, so it comes back soonest).
@@ -227,26 +230,26 @@ class RotaSched(Policy):
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
     CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("fifo", "free", "rotate"),
                "gate": ("any", "due", "viable"), "pick": ("lag", "last"),
-               "of": ("admitted", "generated")}
+               "of": ("admitted", "generated"), "out": ("all", "stalled")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
-              "stalls": float, "stall": float, "pick": str, "of": str}
+              "stalls": float, "stall": float, "pick": str, "of": str, "out": str}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
-                 of: str = "admitted", duplex: bool = True,
+                 of: str = "admitted", out: str = "all", duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
-                           ("of", of)):
+                           ("of", of), ("out", out)):
             if value not in self.CHOICES[key]:
                 raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
                                  f"got {value!r}")
         self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
-        self.stalls, self.stall, self.pick, self.of = stalls, stall, pick, of
+        self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -295,7 +298,8 @@ class RotaSched(Policy):
         left, and be able to come back within one step's transfer budget."""
         if self.budget and s.num_rotated >= self.budget * s.num_generated:
             return []
-        if self.stalls and (s.num_stalls + sum(self.stalled(r, now) for r in s.rotary)
+        if self.stalls and (s.num_stalls + sum(self.out == "all" or self.stalled(r, now)
+                                               for r in s.rotary)
                             >= self.stalls * self.tokens(s)):
             return []
         ok = [v for v in s.running if v.tokens_since_admit > 0 and not self.spent(v)

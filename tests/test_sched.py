@@ -192,7 +192,7 @@ def test_stall_budget_caps_long_gaps_per_generated_token():
     s.num_stalls = 2                                        # two came back after a stall
     plan = s.schedule(0.3)
     assert not plan.rotated_out and not plan.admitted
-    s = rotation_setup(policy="rotasched:stalls=0.2,stall=4,of=generated")
+    s = rotation_setup(policy="rotasched:stalls=0.2,stall=4,of=generated,out=stalled")
     s.num_stalls = 1
     assert step_once(s, 0.3).rotated_out == ["r1"]          # 1 + r1 out now: 2 >= 1.2 ...
     r1 = s.requests["r1"]
@@ -200,6 +200,10 @@ def test_stall_budget_caps_long_gaps_per_generated_token():
     assert s.policy.stalled(r1, r1.t_last_token + 0.41)
     assert s.policy.victims(s, None, r1.t_last_token + 0.3)  # 1 stall + r1 not yet: 1 < 1.2
     assert s.policy.victims(s, None, r1.t_last_token + 0.5) == []   # 1 + r1 stalled: 2
+    s.policy.out = "all"                                     # out=all (the default): r1 counts
+    assert s.policy.victims(s, None, r1.t_last_token + 0.3) == []   # from the moment it left
+    s.num_stalls = 0
+    assert s.policy.victims(s, None, r1.t_last_token + 0.3)  # 0 + r1: 1 < 1.2
     s = rotation_setup(policy="rotasched:stalls=0")          # 0 = no limit
     s.num_stalls = 99
     assert s.schedule(0.3).rotated_out == ["r1"]
