@@ -168,7 +168,7 @@ def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "c
 
 def padded_rows(m: int) -> int:
     """m rounded up to three significant bits (1..8, 10, 12, 14, 16, 20, 24, ...): at most 4 row
-    counts an octave, at most 17.6% padding."""
+    counts an octave, padding under a quarter of m."""
     step = 1 << max(0, m.bit_length() - 3)
     return -(-m // step) * step
 

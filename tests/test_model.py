@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import hf_config_dict, tiny_pair
+import model as model_mod
 from model import ModelLoadError, Seq, make_batch
 from weights.loader import config_from_hf, load_model
 
@@ -290,3 +291,40 @@ def test_gguf_by_a_bare_relative_name(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "load_gguf", lambda path, device, dtype: seen.append(path))
     load_model("m.gguf", "cpu", "float32")
     assert seen == [str(tmp_path / "m.gguf")]
+
+
+# ---------------------------------------------------------------- packed CPU weights
+
+@given(st.integers(1, 1 << 16))
+def test_padded_rows_bounds_the_padding_and_the_shapes(m):
+    """Rows pad up by less than a quarter, to one of at most four counts an octave past 8
+    (oneDNN keeps state per shape, so the shapes must stay few)."""
+    p = model_mod.padded_rows(m)
+    assert m <= p and 4 * (p - m) < m and model_mod.padded_rows(p) == p
+    lo = 1 << max(3, m.bit_length() - 1)
+    octave = {model_mod.padded_rows(k) for k in range(lo, 2 * lo)}
+    assert m <= 8 or len(octave) <= 5
+
+
+@pytest.mark.skipif(not model_mod.PACK_WEIGHTS, reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", model_mod.PACKABLE)
+def test_packed_linear_matches_f_linear_and_follows_weight_changes(dtype):
+    torch.manual_seed(0)
+    lin = model_mod.Linear(64, 96, bias=False).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode():
+        for m in (1, 3, 9, 17, 33, 130):
+            x = torch.randn(m, 64, dtype=dtype)
+            ref = torch.nn.functional.linear(x, lin.weight)
+            out = lin(x)
+            assert out.shape == (m, 96) and lin.packed is not None
+            assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
+        lin.weight.mul_(-2)           # in place: the packed copy is stale and is rebuilt
+        x = torch.randn(5, 64, dtype=dtype)
+        ref = torch.nn.functional.linear(x, lin.weight)
+        assert torch.allclose(lin(x).float(), ref.float(), atol=2 * tol, rtol=tol)
+    lin.packed = None                 # outside inference mode: plain F.linear, nothing packed
+    with torch.no_grad():
+        x = torch.randn(5, 64, dtype=dtype)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    assert lin.packed is None
