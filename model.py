@@ -190,9 +190,9 @@ class Linear(nn.Linear):
         key = (w.data_ptr(), w._version, w.dtype, w.shape)
         if self.packed_of != key:
             self.packed, self.packed_of = torch.ops.mkldnn._reorder_linear_weight(w, 32), key
-        m = x.shape[0]
-        if padded_rows(m) != m:
-            x = F.pad(x, (0, 0, 0, padded_rows(m) - m))
+        m, rows = x.shape[0], padded_rows(x.shape[0])
+        if rows != m:
+            x = F.pad(x, (0, 0, 0, rows - m))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")[:m]
 
 

@@ -28,7 +28,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")  # + ours-fp32-plain...
+ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")
 
 
 def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
