@@ -10,6 +10,8 @@
 The run calibrates itself (unloaded latency gives the SLOs, a bulk run the saturation rate) and
 sizes the workload to a time target per run, so a slow machine runs fewer requests, not longer.
 Metrics are vLLM benchmark_serving's (workload/metrics.py); --repeat N gives their spread.
+Each run's schedule log also gives the machine's speed for the same work (tools/schedlog.py):
+a verdict on runs the machine served at uneven speeds says so (UNEVEN SPEED).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -29,7 +32,7 @@ from model import ModelLoadError
 from sched import Request
 from serving import client
 from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
-from tools import bench_speed, sim
+from tools import bench_speed, schedlog, sim
 from tools.schedlog import log_name
 from weights.loader import load_model, resolve_device
 from workload.metrics import plot, print_table, progress, summarize, verdict
@@ -174,7 +177,7 @@ def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
 def runner(pol: str, args, cfg, model, tok, hf, runs: int):
     """run(items, prompts, label, deadline, rate) -> (records, stats): one row of the table."""
     def engine(items, prompts, label, deadline, rate=None):
-        log = log_name(args.log_path, pol, rate, runs) if rate is not None else None
+        log = log_name(args.log_base, pol, rate, runs) if rate is not None else None
         e = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
         try:
             return serve(e, items, prompts, label, deadline)
@@ -257,6 +260,21 @@ def run_serving(args, ap, results: list[dict]) -> None:
                 if args.validate_sim and pol not in ("hf", "openai"):
                     results[-1]["sim"] = validate_row(results[-1], timed,
                                                       replace(cfg, policy=pol), pol)
+            judge_speed(results[-len(args.policies):], args, runs)
+
+
+def judge_speed(rows: list[dict], args, runs: int) -> None:
+    """Each row's `speed` among the runs of one rate and repeat, from their schedule logs: its
+    step time over what the same work took across them (tools/schedlog.py's `speed`)."""
+    paths = {r["policy"]: log_name(args.log_base, r["policy"], r["rate"], runs) for r in rows
+             if r["policy"] not in ("hf", "openai")}
+    found = {p: schedlog.read(f) for p, f in paths.items() if f and os.path.exists(f)}
+    speeds = schedlog.speed(found)
+    for r in rows:
+        r["speed"] = speeds.get(r["policy"])
+    if speeds:
+        print("  machine speed for the same work (step time / the runs' fitted cost): "
+              + ", ".join(f"{p} {x:.3f}" for p, x in speeds.items()), flush=True)
 
 
 def settings(args, cfg, sat: float) -> dict:
@@ -448,7 +466,9 @@ def main(argv=None) -> None:
         return
     rows: list[dict] = []
     try:
-        run_serving(args, ap, rows)
+        with tempfile.TemporaryDirectory(prefix="superinfer-bench-") as tmp:
+            args.log_base = args.log_path or os.path.join(tmp, "run.jsonl")  # speed from logs
+            run_serving(args, ap, rows)
     except (ModelLoadError, TraceError) as e:
         sys.exit(f"bench: error: {e}")
     except KeyboardInterrupt:  # keep what finished; the run in progress is dropped

@@ -130,3 +130,9 @@ def test_verdict_names_the_best_rotating_policy_and_flags_harm():
     noisy = verdict([row("fcfs", 0.3, 0.9, 0.5, 30) | {"disturbed": True},
                      row("rotasched", 0.6, 0.88, 0.6, 31)])
     assert len(noisy) == 1 and "DISTURBED" in noisy[0] and "points" not in noisy[0]
+    level = [row("fcfs", 0.3, 0.9, 0.5, 30, pre=5) | {"speed": 1.01},
+             row("rotasched", 0.6, 0.88, 0.6, 31) | {"speed": 0.99}]
+    assert not any("UNEVEN" in x for x in verdict(level))
+    uneven = verdict([level[0] | {"speed": 1.04}, level[1]])
+    assert "UNEVEN SPEED: the machine ran fcfs 5.1% slower than rotasched" in uneven[0]
+    assert "best rotating policy rotasched" in uneven[1]   # still reported, with the warning

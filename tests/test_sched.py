@@ -469,6 +469,32 @@ def test_schedule_log_replays_exactly_and_diff_finds_the_first_difference(tmp_pa
     assert step == 40 and "request long0 computes" in why and "vs 99 tokens" in why
 
 
+def test_schedule_log_speed_sees_a_slower_machine_not_another_schedule(tmp_path):
+    """schedlog.speed: runs of different policies on one machine score alike, whatever work each
+    chose; a run on a machine 10% slower scores about 10% above the other."""
+    def run(policy, slow):
+        path = tmp_path / f"{policy}.{slow}.jsonl"
+        s = make_sched(policy, dev=128, host=2048, bs=4, max_num_seqs=16,
+                       max_num_batched_tokens=64, ttft_slo=3.0, tbt_slo=0.05, log_path=str(path))
+        ctx = {}
+
+        def step_time(plan):   # linear in the work, as the fit assumes: fixed, tokens, KV, copies
+            for r, n in plan.chunks.items():
+                ctx[r.rid] = r.num_computed + n
+            kv = sum(ctx[r.rid] for r in plan.chunks)
+            return slow * (0.004 + 2e-4 * plan.num_tokens + 1e-5 * kv + 5e-4 * plan.blocks_moved)
+        simulate(s, hol_workload(), step_time)
+        s.close()
+        return schedlog.read(str(path))
+    fcfs, rota = run("fcfs", 1.0), run("rotasched", 1.0)
+    assert sum(w[1][5] for w in schedlog.step_work(rota)) > 0   # rotasched copied blocks
+    even = schedlog.speed({"fcfs": fcfs, "rotasched": rota})
+    assert even == pytest.approx({"fcfs": 1.0, "rotasched": 1.0}, abs=1e-6)
+    uneven = schedlog.speed({"fcfs": fcfs, "rotasched": run("rotasched", 1.1)})
+    assert 1.08 < uneven["rotasched"] / uneven["fcfs"] < 1.12
+    assert schedlog.speed({"fcfs": fcfs}) == {}   # one run: nothing to compare
+
+
 def test_schedule_log_is_deterministic(tmp_path):
     logs = []
     for k in range(2):

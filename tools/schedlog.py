@@ -13,12 +13,17 @@ resumed, rotated in or out, preempted) to have its decisions compared with ours.
     python -m tools.schedlog replay run.jsonl       re-decide every step; stop at the first
                                                     difference
     python -m tools.schedlog diff a.jsonl b.jsonl   the first step where two logs decide differently
+    python -m tools.schedlog speed a.jsonl b.jsonl  how fast the machine ran each of them, for the
+                                                    same work (a step-cost model fitted to both)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+
+import numpy as np
 
 from sched import Request, Scheduler
 from superinfer import EngineConfig, Parser
@@ -102,6 +107,56 @@ def diff(path_a: str, path_b: str) -> tuple[int, str | None]:
     return len(a), None
 
 
+def step_work(records: list[dict]) -> list[tuple[float, tuple[float, ...]]]:
+    """(seconds, work) for each step of a log that computed tokens. The work: 1 (a step's fixed
+    cost), tokens computed, sequences, KV tokens read (each sequence's context after the step),
+    attention pairs (new tokens x context) and blocks copied between the tiers. A request
+    preempted by recompute starts its context over; a rotated one keeps it."""
+    context: dict[str, int] = {}
+    out = []
+    for rec in records:
+        if rec.get("event") != "step":
+            continue
+        for rid in rec.get("preempted", []):
+            context[rid] = 0
+        tokens = rec["tokens"]
+        if not tokens:
+            continue
+        after = {rid: context.get(rid, 0) + n for rid, n in tokens.items()}
+        context.update(after)
+        work = (1.0, sum(tokens.values()), len(tokens), sum(after.values()),
+                sum(n * after[rid] for rid, n in tokens.items()), rec["swap_out"] + rec["swap_in"])
+        out.append((rec["done"] - rec["now"], work))
+    return out
+
+
+def speed(logs: dict[str, list[dict]]) -> dict[str, float]:
+    """How slow the machine was in each run, for the same work. A step's time is modelled as the
+    run's machine factor times a cost linear in its `step_work`, with one cost for all the runs;
+    both are fitted by alternating least squares, and the factors are returned with their
+    geometric mean 1. 1.04: this run's steps took 4% longer than the same work took across the
+    runs. Runs whose factors differ by a few percent ran on a machine not equally fast (clock,
+    memory traffic of other tenants): near saturation that alone moves TTFT attainment by
+    points. Copies are part of the work, so a policy's own copy cost is not a slow machine."""
+    steps = {k: step_work(v) for k, v in logs.items()}
+    runs = {k: (np.array([w for _, w in v]), np.array([t for t, _ in v]))
+            for k, v in steps.items() if v}
+    if len(runs) < 2 or sum(len(y) for _, y in runs.values()) < 24:
+        return {}
+    factor = dict.fromkeys(runs, 1.0)
+    for _ in range(100):
+        x = np.concatenate([w for w, _ in runs.values()])
+        y = np.concatenate([t / factor[k] for k, (_, t) in runs.items()])
+        cost = np.linalg.lstsq(x, y, rcond=None)[0]
+        new = {k: t.sum() / max(float((w @ cost).sum()), 1e-12) for k, (w, t) in runs.items()}
+        done = max(abs(new[k] / factor[k] - 1) for k in runs) < 1e-9
+        factor = new
+        if done:
+            break
+    mean = math.exp(sum(math.log(f) for f in factor.values()) / len(factor))
+    return {k: f / mean for k, f in factor.items()}
+
+
 def main(argv=None) -> None:
     ap = Parser(prog="python -m tools.schedlog", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,8 +165,14 @@ def main(argv=None) -> None:
     d = sub.add_parser("diff", help="compare two logs step by step")
     d.add_argument("a")
     d.add_argument("b")
+    sub.add_parser("speed", help="the machine's speed in each log, for the same work"
+                   ).add_argument("logs", nargs="+")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "speed":
+            for path, x in speed({p: read(p) for p in args.logs}).items():
+                print(f"{x:.3f}  {path}")
+            return
         steps, why = replay(args.log) if args.cmd == "replay" else diff(args.a, args.b)
     except (OSError, ValueError, KeyError) as e:
         sys.exit(f"schedlog: error: {e}")

@@ -16,6 +16,7 @@ LEGEND = ("TTFT: arrival to first token. TBT: each gap between two tokens of a r
           "gaps <= TBT SLO. goodput: requests/s meeting the TTFT and TPOT SLOs.\nrot: rotations "
           "(KV parked on host and back); pre: preemptions by recompute; GiB: KV moved between "
           "tiers, write-backs included.")
+UNEVEN = 0.03  # compared runs whose machine speed differs more than this are not level
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -134,6 +135,7 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
             lines.append(f"rate {rate:.2f}/s: DISTURBED: other processes took the CPUs during the "
                          f"{', '.join(noisy)} run(s); no gain is reported for this rate")
             continue
+        lines += uneven_speed(rate, by)
         b = by[base]
         best = max(rotating, key=lambda r: (r["ttft_attainment"], r["tbt_attainment"]))
         gain = best["ttft_attainment"] - b["ttft_attainment"]
@@ -150,6 +152,21 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
             for h in harms(b, r, by.get("fcfs-swap")):
                 lines.append(f"rate {rate:.2f}/s: {r['policy']} does harm: {h}")
     return lines
+
+
+def uneven_speed(rate: float, by: dict[str, dict]) -> list[str]:
+    """A warning where the machine ran the compared runs at speeds further apart than UNEVEN
+    (the rows' `speed`: step time for the same work, bench.py measures it)."""
+    speeds = {p: r["speed"] for p, r in by.items() if r.get("speed")}
+    if not speeds:
+        return []
+    slow, fast = max(speeds, key=speeds.get), min(speeds, key=speeds.get)
+    ratio = speeds[slow] / speeds[fast] - 1
+    if ratio <= UNEVEN:
+        return []
+    return [f"rate {rate:.2f}/s: UNEVEN SPEED: the machine ran {slow} {ratio:.1%} slower than "
+            f"{fast} for the same work; near saturation that alone moves TTFT attainment by "
+            "points, so the differences below are not the policies' alone (rerun, or --repeat)"]
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
