@@ -128,8 +128,9 @@ def main(argv=None) -> None:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="docs/claim", help="the sweep's and the ablation's folder")
     ap.add_argument("--slices", type=int, default=8, help="CPU bench repeats to replay")
-    ap.add_argument("--bench-json", default="docs/bench/conv.json",
-                    help="a python bench.py --json file: the CPU run whose settings are replayed")
+    ap.add_argument("--bench-json", default="docs/claim/frontier_cpu_run.json",
+                    help="a python bench.py --json file: the CPU run whose settings are replayed "
+                         "(default: the conversation run the committed frontier replays)")
     ap.add_argument("--flops", type=float, default=190e9,
                     help="the simulated CPU's matmul FLOP/s (default: this machine's, measured)")
     args = ap.parse_args(argv)
