@@ -33,7 +33,6 @@ from sched import Request
 from serving import client
 from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
 from tools import bench_speed, schedlog, sim
-from tools.schedlog import log_name
 from weights.loader import load_model, resolve_device
 from workload.metrics import plot, print_table, progress, summarize, verdict
 from workload.trace import (DEFAULT_TRACE, WORKLOADS, Item, Scaling, TraceError, describe_scaling,
@@ -177,7 +176,7 @@ def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
 def runner(pol: str, args, cfg, model, tok, hf, runs: int):
     """run(items, prompts, label, deadline, rate) -> (records, stats): one row of the table."""
     def engine(items, prompts, label, deadline, rate=None):
-        log = log_name(args.log_base, pol, rate, runs) if rate is not None else None
+        log = schedlog.log_name(args.log_base, pol, rate, runs) if rate is not None else None
         e = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
         try:
             return serve(e, items, prompts, label, deadline)
@@ -266,8 +265,8 @@ def run_serving(args, ap, results: list[dict]) -> None:
 def judge_speed(rows: list[dict], args, runs: int) -> None:
     """Each row's `speed` among the runs of one rate and repeat, from their schedule logs: its
     step time over what the same work took across them (tools/schedlog.py's `speed`)."""
-    paths = {r["policy"]: log_name(args.log_base, r["policy"], r["rate"], runs) for r in rows
-             if r["policy"] not in ("hf", "openai")}
+    paths = {r["policy"]: schedlog.log_name(args.log_base, r["policy"], r["rate"], runs)
+             for r in rows if r["policy"] not in ("hf", "openai")}
     found = {p: schedlog.read(f) for p, f in paths.items() if f and os.path.exists(f)}
     speeds = schedlog.speed(found)
     for r in rows:

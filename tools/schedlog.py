@@ -143,9 +143,9 @@ def speed(logs: dict[str, list[dict]]) -> dict[str, float]:
             for k, v in steps.items() if v}
     if len(runs) < 2 or sum(len(y) for _, y in runs.values()) < 24:
         return {}
+    x = np.concatenate([w for w, _ in runs.values()])
     factor = dict.fromkeys(runs, 1.0)
     for _ in range(100):
-        x = np.concatenate([w for w, _ in runs.values()])
         y = np.concatenate([t / factor[k] for k, (_, t) in runs.items()])
         cost = np.linalg.lstsq(x, y, rcond=None)[0]
         new = {k: t.sum() / max(float((w @ cost).sum()), 1e-12) for k, (w, t) in runs.items()}
