@@ -117,26 +117,57 @@ class Prefill(NamedTuple):
     mask: Tensor | None      # [length, context]; None when the chunk starts the sequence
 
 
+class Decodes(NamedTuple):
+    """Single-token queries of similar context length, attended to in one batched call."""
+    row: int                 # first row of the group in the flat batch
+    length: int              # sequences in the group
+    block_tables: Tensor     # [length, width], padded with each sequence's own first block
+    mask: Tensor             # [length, 1, 1, width * block_size]: the slots holding context
+
+
 @dataclass(slots=True)
 class Batch:
-    """One flat step: single-token decodes first (one batched attention call), then chunks.
-    slot_blocks/slot_offsets say where each new token's K/V is written."""
+    """One flat step: single-token decodes first, shortest context first, in a few groups (one
+    attention call each), then chunks. slot_blocks/slot_offsets say where each new token's K/V
+    is written."""
     input_ids: Tensor            # [T]
     positions: Tensor            # [T]
     slot_blocks: Tensor          # [T]
     slot_offsets: Tensor         # [T]
-    num_decodes: int
-    decode_block_tables: Tensor  # [D, max_blocks], padded with each sequence's own first block
-    decode_mask: Tensor          # [D, 1, 1, max_blocks * block_size]: slots holding context
+    decodes: list[Decodes]
     prefills: list[Prefill]
     logits_indices: Tensor       # [S] rows whose next-token logits are wanted, in seqs' order
 
 
+# a group of decodes costs about as much as attending to this many padding blocks more:
+# one K and one V gather and one SDPA call per layer (measured on the CPU with SmolLM2-135M)
+GROUP_COST_BLOCKS = 16
+
+
+def decode_groups(widths: list[int], cost: int) -> list[int]:
+    """Where to cut decodes sorted by width (blocks of context) into groups, each padded to its
+    widest: the cut that minimises padded blocks + cost per group; returns each group's end.
+    Dynamic programming over the distinct widths, so a few dozen candidates at most."""
+    ends = [i + 1 for i in range(len(widths)) if i + 1 == len(widths)
+            or widths[i + 1] != widths[i]]
+    best, cut = [0] + [math.inf] * len(ends), [0] * (len(ends) + 1)
+    for j, end in enumerate(ends, 1):
+        for i in range(j):
+            start = ends[i - 1] if i else 0
+            c = best[i] + (end - start) * widths[end - 1] + cost
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    out, j = [], len(ends)
+    while j:
+        out, j = [ends[j - 1]] + out, cut[j]
+    return out
+
+
 def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "cpu") -> Batch:
     """Lay seqs out flat, decodes first; logits rows come back in the order of `seqs`."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens) != 1)
-    ids, pos, blocks, offs, last_row, prefills = [], [], [], [], {}, []
-    dec_tables, dec_lens = [], []
+    single = lambda i: len(seqs[i].tokens) == 1  # decodes first, shortest context first
+    order = sorted(range(len(seqs)), key=lambda i: (not single(i), seqs[i].start * single(i)))
+    ids, pos, blocks, offs, last_row, prefills, dec_tables = [], [], [], [], {}, [], []
     for i in order:
         toks, start, table, _ = seqs[i]
         n, row = len(toks), len(ids)
@@ -147,7 +178,6 @@ def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "c
         offs += [p % block_size for p in span]
         if n == 1:
             dec_tables.append(table[:start // block_size + 1])
-            dec_lens.append(start + 1)
         else:  # query j of the chunk sits at position start + j and sees keys 0 .. start + j
             ctx = start + n
             mask = None if not start else torch.ones(n, ctx, dtype=torch.bool,
@@ -155,13 +185,25 @@ def make_batch(seqs: list[Seq], block_size: int, device: torch.device | str = "c
             table_t = torch.tensor(table[:-(-ctx // block_size)], device=device)
             prefills.append(Prefill(row, n, ctx, table_t, mask))
         last_row[i] = row + n - 1
-    width = max((len(t) for t in dec_tables), default=0)
     t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    dec_mask = torch.arange(width * block_size, device=device) < t(dec_lens)[:, None]
-    padded = [tb + tb[:1] * (width - len(tb)) for tb in dec_tables]
-    return Batch(t(ids), t(pos), t(blocks), t(offs), len(dec_tables),
-                 t(padded).reshape(len(dec_tables), width), dec_mask[:, None, None, :], prefills,
+    return Batch(t(ids), t(pos), t(blocks), t(offs),
+                 decode_batches(dec_tables, pos, block_size, device), prefills,
                  t([last_row[i] for i, s in enumerate(seqs) if s.wants_logits]))
+
+
+def decode_batches(tables: list[list[int]], pos: list[int], block_size: int,
+                   device) -> list[Decodes]:
+    """The decodes (rows 0.. of the batch, sorted by width) in groups (decode_groups)."""
+    groups, start = [], 0
+    for end in decode_groups([len(tb) for tb in tables], GROUP_COST_BLOCKS):
+        width = len(tables[end - 1])
+        padded = [tb + tb[:1] * (width - len(tb)) for tb in tables[start:end]]
+        lens = torch.tensor(pos[start:end], device=device) + 1
+        mask = torch.arange(width * block_size, device=device) < lens[:, None]
+        groups.append(Decodes(start, end - start, torch.tensor(padded, device=device),
+                              mask[:, None, None, :]))
+        start = end
+    return groups
 
 
 # ---------------------------------------------------------------- the modules
@@ -213,7 +255,8 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=False)
         self.wo = Linear(self.h * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, b: Batch,
+                scratch: Tensor) -> Tensor:
         T = x.shape[0]
         q, k, v = self.wqkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         q = apply_rope(q.view(T, self.h, self.d), cos, sin)          # q: [T, H, Dh]
@@ -222,32 +265,44 @@ class Attention(nn.Module):
         kv_cache[b.slot_blocks, 0, b.slot_offsets] = k
         kv_cache[b.slot_blocks, 1, b.slot_offsets] = v.view(T, self.kvh, self.d)
         out = torch.empty_like(q)
-        if b.num_decodes:
-            out[:b.num_decodes] = self.decode(q[:b.num_decodes], kv_cache, b)
+        for g in b.decodes:
+            rows = slice(g.row, g.row + g.length)
+            out[rows] = self.decode(q[rows], self.gather(kv_cache, g.block_tables, scratch), g)
         for p in b.prefills:
-            out[p.row:p.row + p.length] = self.prefill(q[p.row:p.row + p.length], kv_cache, p)
+            rows = slice(p.row, p.row + p.length)
+            out[rows] = self.prefill(q[rows], self.gather(kv_cache, p.block_table, scratch), p)
         return self.wo(out.view(T, self.h * self.d))
 
-    def decode(self, q: Tensor, kv_cache: Tensor, b: Batch) -> Tensor:
-        """All single-token queries in one call. GQA without repeating K/V: the H / KVH query heads
-        that share a KV head are that head's queries ([D, KVH, G, Dh] against K/V [D, KVH, S, Dh]
-        gathered from the blocks), one batched matmul; SDPA's enable_gqa would expand K/V to H
-        heads first."""
+    @staticmethod
+    def gather(kv_cache: Tensor, blocks: Tensor, scratch: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of the blocks in `blocks` (any shape, flattened), each [n, bs, KVH, Dh],
+        copied into scratch (Llama.scratch). index_select copies whole blocks: ~2x faster than
+        gathering token by token."""
+        n = blocks.numel()
+        k, v = scratch[:2 * n * kv_cache[0, 0].numel()].view(2, n, *kv_cache.shape[2:])
+        torch.index_select(kv_cache[:, 0], 0, blocks.flatten(), out=k)
+        torch.index_select(kv_cache[:, 1], 0, blocks.flatten(), out=v)
+        return k, v
+
+    def decode(self, q: Tensor, kv: tuple[Tensor, Tensor], g: Decodes) -> Tensor:
+        """A group of single-token queries in one call. GQA without repeating K/V: the H / KVH
+        query heads that share a KV head are that head's queries ([D, KVH, G, Dh] against K/V
+        [D, KVH, S, Dh] gathered from the blocks); SDPA's enable_gqa would expand K/V first."""
         D = q.shape[0]
-        blocks = b.decode_block_tables.flatten()  # index_select copies whole blocks: ~2x faster
-        k = kv_cache[:, 0].index_select(0, blocks).view(D, -1, self.kvh, self.d).transpose(1, 2)
-        v = kv_cache[:, 1].index_select(0, blocks).view(D, -1, self.kvh, self.d).transpose(1, 2)
+        k, v = (x.view(D, -1, self.kvh, self.d).transpose(1, 2) for x in kv)
         o = F.scaled_dot_product_attention(q.view(D, self.kvh, self.h // self.kvh, self.d), k, v,
-                                           attn_mask=b.decode_mask)
+                                           attn_mask=g.mask)
         return o.reshape(D, self.h, self.d)
 
-    def prefill(self, q: Tensor, kv_cache: Tensor, p: Prefill) -> Tensor:
-        """One chunk: [H, n, Dh] queries over its [KVH, context, Dh] keys, causal within."""
-        k = kv_cache[:, 0].index_select(0, p.block_table).flatten(0, 1)[:p.context].transpose(0, 1)
-        v = kv_cache[:, 1].index_select(0, p.block_table).flatten(0, 1)[:p.context].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=p.mask,
-                                           is_causal=p.mask is None, enable_gqa=True)
-        return o.transpose(0, 1)
+    def prefill(self, q: Tensor, kv: tuple[Tensor, Tensor], p: Prefill) -> Tensor:
+        """One chunk: [1, H, n, Dh] queries over its [1, KVH, context, Dh] keys, causal within.
+        SDPA takes its CPU flash kernel only for 4-d inputs (3-d ones fall back to the unfused
+        math path, 2-3x slower here), hence the batch dimension of one."""
+        k, v = (x.flatten(0, 1)[:p.context].transpose(0, 1) for x in kv)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                           attn_mask=p.mask, is_causal=p.mask is None,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1)
 
 
 class FeedForward(nn.Module):
@@ -270,8 +325,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, b):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, b)
+    def forward(self, x, cos, sin, kv_cache, b, scratch):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache, b, scratch)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -288,6 +343,7 @@ class Llama(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._scratch: Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, b: Batch, kv_pool: Tensor) -> Tensor:
@@ -296,10 +352,23 @@ class Llama(nn.Module):
         freqs = b.positions[:, None].to(self.inv_freq.dtype) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, Dh]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        scratch = self.scratch(b, kv_pool)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_pool[:, i], b)
+            x = layer(x, cos, sin, kv_pool[:, i], b, scratch)
         x = self.norm(x[b.logits_indices])
         return self.lm_head(x).float()
+
+    def scratch(self, b: Batch, kv_pool: Tensor) -> Tensor:
+        """Room for the K and V one attention call gathers, kept from step to step and layer to
+        layer: a fresh tensor per gather is page-faulted in anew by the allocator, which at long
+        contexts cost 7x the copy itself (a step at 16 x 50-1000 tokens: 369 -> 98 ms)."""
+        blocks = max([g.block_tables.numel() for g in b.decodes]
+                     + [p.block_table.numel() for p in b.prefills], default=0)
+        need = max(1, 2 * blocks * kv_pool[0, 0, 0].numel())
+        s = self._scratch
+        if s is None or s.numel() < need or (s.dtype, s.device) != (kv_pool.dtype, kv_pool.device):
+            s = self._scratch = kv_pool.new_empty(need)
+        return s
 
     def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
         """One KV block: every layer's K and V for block_size tokens (this rank's KV heads)."""

@@ -65,9 +65,18 @@ def test_logits_match_hf_prefill_and_decode(kv_heads, tied, rope, vocab, head_di
 
 @settings(max_examples=25, deadline=None)
 @given(block_size=st.integers(1, 9), lens=st.lists(st.integers(1, 20), min_size=1, max_size=5),
-       seed=st.integers(0, 2**16))
-def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, seed):
-    """Many sequences in one flat batch, scattered over permuted blocks, equal each run densely."""
+       seed=st.integers(0, 2**16), group_cost=st.sampled_from([0, 1, 16]))
+def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, seed, group_cost):
+    """Many sequences in one flat batch, scattered over permuted blocks, equal each run densely,
+    whichever groups the decodes are split into (cost 0: one group per distinct width)."""
+    old, model_mod.GROUP_COST_BLOCKS = model_mod.GROUP_COST_BLOCKS, group_cost
+    try:
+        check_paged_equals_dense(block_size, lens, seed)
+    finally:
+        model_mod.GROUP_COST_BLOCKS = old
+
+
+def check_paged_equals_dense(block_size, lens, seed):
     ours, _ = tiny_pair(seed=1)
     rng = random.Random(seed)
     seqs = [[rng.randrange(97) for _ in range(n)] for n in lens]
@@ -101,6 +110,19 @@ def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, see
         for p, row in enumerate(got[i]):
             if row is not None:
                 torch.testing.assert_close(row, dense[i][p], atol=1e-5, rtol=0)
+
+
+@given(widths=st.lists(st.integers(1, 12), max_size=9).map(sorted), cost=st.integers(0, 20))
+def test_decode_groups_cover_in_order_at_least_cost(widths, cost):
+    """The cut covers every decode once, in order, and no other cut at the distinct widths'
+    boundaries pads fewer blocks plus `cost` per group (checked against all of them)."""
+    ends = model_mod.decode_groups(widths, cost)
+    assert ends == sorted(set(ends)) and (ends[-1:] == [len(widths)] if widths else ends == [])
+    total = lambda cut: sum((e - s) * widths[e - 1] + cost for s, e in zip([0] + cut, cut))
+    bounds = [i for i in range(1, len(widths)) if widths[i] != widths[i - 1]]
+    for mask in range(1 << len(bounds)):
+        cut = [b for k, b in enumerate(bounds) if mask >> k & 1] + [len(widths)] * bool(widths)
+        assert total(ends) <= total(cut)
 
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
