@@ -188,6 +188,9 @@ def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
         cfg, dtype = model.cfg, model.embed.weight.dtype
         size = torch.finfo(dtype).bits // 8
         params = sum(p.numel() for p in model.parameters())
+        head = model.lm_head.weight.numel()  # the embedding is a lookup; the head runs per logit
+        body = params - model.embed.weight.numel() - head * (model.lm_head.weight
+                                                             is not model.embed.weight)
         kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
         attn_tok = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T + PV per ctx token
         nblk = -(-(ctx + chunk) // bs)
@@ -196,14 +199,14 @@ def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
         model(make_batch([Seq([7] * ctx, 0, t, False) for t in tables], bs), pool)
         dec = make_batch([Seq([5], ctx, t, True) for t in tables], bs)
         pre = make_batch([Seq([9] * chunk, 0, tables[0], False)], bs)
-        for label, fn, tokens, pairs, kv_read in (
-                (f"decode, batch {batch} x ctx {ctx}", lambda: model(dec, pool), batch,
+        for label, fn, tokens, logits, pairs, kv_read in (
+                (f"decode, batch {batch} x ctx {ctx}", lambda: model(dec, pool), batch, batch,
                  batch * ctx, batch * ctx * kv_tok),
-                (f"prefill chunk of {chunk}", lambda: model(pre, pool), chunk,
+                (f"prefill chunk of {chunk}", lambda: model(pre, pool), chunk, 0,
                  chunk * (chunk + 1) // 2, chunk * kv_tok)):
             wall, ops = op_split(fn)
-            flops = 2 * params * tokens + attn_tok * pairs
-            nbytes = params * size + kv_read
+            flops = 2 * body * tokens + 2 * head * logits + attn_tok * pairs
+            nbytes = (body + head * bool(logits)) * size + kv_read
             split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(ops.items(),
                                                                      key=lambda kv: -kv[1]))
             print(f"  {name} {label}: {1e3 * wall:.1f} ms; {flops / 1e9:.1f} GFLOP "
