@@ -258,9 +258,9 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, b: Batch,
                 scratch: Tensor) -> Tensor:
         T = x.shape[0]
-        q, k, v = self.wqkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
-        q = apply_rope(q.view(T, self.h, self.d), cos, sin)          # q: [T, H, Dh]
-        k = apply_rope(k.view(T, self.kvh, self.d), cos, sin)        # k: [T, KVH, Dh]
+        qk, v = self.wqkv(x).split([(self.h + self.kvh) * self.d, self.kvh * self.d], -1)
+        qk = apply_rope(qk.view(T, self.h + self.kvh, self.d), cos, sin)  # q and k in one go
+        q, k = qk[:, :self.h], qk[:, self.h:]                        # [T, H, Dh], [T, KVH, Dh]
         # kv_cache: [num_blocks, 2, bs, KVH, Dh], this layer's strided view of the pool
         kv_cache[b.slot_blocks, 0, b.slot_offsets] = k
         kv_cache[b.slot_blocks, 1, b.slot_offsets] = v.view(T, self.kvh, self.d)
