@@ -278,10 +278,11 @@ class Attention(nn.Module):
         """K and V of the blocks in `blocks` (any shape, flattened), each [n, bs, KVH, Dh],
         copied into scratch (Llama.scratch). index_select copies whole blocks: ~2x faster than
         gathering token by token."""
+        blocks = blocks.flatten()
         n = blocks.numel()
         k, v = scratch[:2 * n * kv_cache[0, 0].numel()].view(2, n, *kv_cache.shape[2:])
-        torch.index_select(kv_cache[:, 0], 0, blocks.flatten(), out=k)
-        torch.index_select(kv_cache[:, 1], 0, blocks.flatten(), out=v)
+        torch.index_select(kv_cache[:, 0], 0, blocks, out=k)
+        torch.index_select(kv_cache[:, 1], 0, blocks, out=v)
         return k, v
 
     def decode(self, q: Tensor, kv: tuple[Tensor, Tensor], g: Decodes) -> Tensor:
