@@ -174,12 +174,15 @@ def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
 # ---------------------------------------------------------------- the benchmark
 
 def runner(pol: str, args, cfg, model, tok, hf, runs: int):
-    """run(items, prompts, label, deadline, rate) -> (records, stats): one row of the table."""
-    def engine(items, prompts, label, deadline, rate=None):
-        log = schedlog.log_name(args.log_base, pol, rate, runs) if rate is not None else None
+    """run(items, prompts, label, deadline, rate) -> (records, stats): one row of the table.
+    `pol` may be a repeat's label, 'fcfs-swap#2' (policy_of)."""
+    label, pol = pol, policy_of(pol)
+
+    def engine(items, prompts, text, deadline, rate=None):
+        log = schedlog.log_name(args.log_base, label, rate, runs) if rate is not None else None
         e = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
         try:
-            return serve(e, items, prompts, label, deadline)
+            return serve(e, items, prompts, text, deadline)
         finally:
             e.close()
     if pol == "openai":
@@ -187,6 +190,22 @@ def runner(pol: str, args, cfg, model, tok, hf, runs: int):
     if pol == "hf":
         return lambda *a, rate=None: serve_hf(hf, cfg, *a)
     return engine
+
+
+def label_repeats(policies: list[str]) -> list[str]:
+    """A policy named again runs again, labelled 'fcfs-swap#2', ...: the same policy twice on
+    the same arrivals shows how far apart the machine alone puts two runs (the verdict's A/A
+    line)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in policies:
+        seen[p] = seen.get(p, 0) + 1
+        out.append(p if seen[p] == 1 else f"{p}#{seen[p]}")
+    return out
+
+
+def policy_of(label: str) -> str:
+    return label.split("#")[0]
 
 
 def size_pool(cfg, items, args, verbose: bool) -> None:
@@ -252,13 +271,13 @@ def run_serving(args, ap, results: list[dict]) -> None:
                 mark = cpu_mark()
                 recs, stats = run(timed, prompts, f"{pol} @ {rate:.2f} req/s",
                                   2 * args.run_seconds, rate=rate)
-                stats["other_cpu"] = None if pol == "openai" else other_cpu_share(mark)
+                stats["other_cpu"] = None if policy_of(pol) == "openai" else other_cpu_share(mark)
                 results.append(base | row(pol, rate, recs, stats, ttft_slo, tbt_slo, args)
                                | {"repeat": k, "seed": args.seed + k,
                                   "trace_offset": args.trace_offset + k * args.num_requests})
-                if args.validate_sim and pol not in ("hf", "openai"):
-                    results[-1]["sim"] = validate_row(results[-1], timed,
-                                                      replace(cfg, policy=pol), pol)
+                if args.validate_sim and policy_of(pol) not in ("hf", "openai"):
+                    results[-1]["sim"] = validate_row(results[-1], timed, replace(
+                        cfg, policy=policy_of(pol)), policy_of(pol))
             judge_speed(results[-len(args.policies):], args, runs)
 
 
@@ -266,7 +285,7 @@ def judge_speed(rows: list[dict], args, runs: int) -> None:
     """Each row's `speed` among the runs of one rate and repeat, from their schedule logs: its
     step time over what the same work took across them (tools/schedlog.py's `speed`)."""
     paths = {r["policy"]: schedlog.log_name(args.log_base, r["policy"], r["rate"], runs)
-             for r in rows if r["policy"] not in ("hf", "openai")}
+             for r in rows if policy_of(r["policy"]) not in ("hf", "openai")}
     found = {p: schedlog.read(f) for p, f in paths.items() if f and os.path.exists(f)}
     speeds = schedlog.speed(found)
     for r in rows:
@@ -349,6 +368,8 @@ def parse_args(argv):
                     help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released; hf "
                          "(HF transformers' continuous batching); openai (the --base-url server)."
                          " With parameters use ';' between policies: 'fcfs;rotasched:quantum=0.5'."
+                         " A policy named twice runs twice (the second labelled 'fcfs-swap#2'):"
+                         " the verdict's A/A line says how far apart the machine alone puts runs."
                          " Default: fcfs,fcfs-swap,rotasched; with --backend openai: openai")
     ap.add_argument("--rates", default=None, help="request rates (req/s); default: calibrated")
     ap.add_argument("--rate-factors", default="1.5", help="without --rates: multiples of the "
@@ -433,7 +454,7 @@ def check_args(ap, args) -> None:
         ap.error("rates, rate factors and lengths must be > 0")
     if args.policies is None:
         args.policies = "openai" if args.backend == "openai" else "fcfs,fcfs-swap,rotasched"
-    args.policies = sim.split_policies(args.policies)
+    args.policies = label_repeats(sim.split_policies(args.policies))
     if args.backend == "openai" and "openai" not in args.policies:
         args.policies.insert(0, "openai")
     args.served_model = args.served_model or args.model
@@ -441,8 +462,8 @@ def check_args(ap, args) -> None:
     if not local:
         args.model = None  # a name on the server, not a checkpoint here
     for pol in local:
-        if pol != "hf":
-            bench_config(ap, args, policy=pol)
+        if policy_of(pol) != "hf":
+            bench_config(ap, args, policy=policy_of(pol))
     if args.trace != "none":
         try:
             n = len(read_trace(args.trace))

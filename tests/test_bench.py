@@ -80,17 +80,19 @@ def test_real_trace_and_synthetic_arrivals():
 def test_tiny_end_to_end_json(tmp_path):
     out, log = tmp_path / "r.json", tmp_path / "s.jsonl"
     bench.main(["--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
-                "--rates", "8", "--policies", "fcfs,rotasched", "--num-device-blocks", "4",
+                "--rates", "8", "--policies", "fcfs,rotasched,fcfs", "--num-device-blocks", "4",
                 "--block-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
                 "--json", str(out), "--log", str(log)])
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["fcfs", "rotasched"]
+    assert [r["policy"] for r in rows] == ["fcfs", "rotasched", "fcfs#2"]   # named twice: run twice
     for r in rows:
         assert set(bench.JSON_KEYS) <= set(r) and r["num_requests"] == 4 and r["rate"] == 8.0
         assert 0 <= r["ttft_attainment"] <= 1 and r["throughput_tok_s"] > 0
     logs = sorted(tmp_path.glob("s.*.jsonl"))
-    assert [p.name for p in logs] == ["s.fcfs.8.jsonl", "s.rotasched.8.jsonl"]
-    records = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    assert [p.name for p in logs] == ["s.fcfs#2.8.jsonl", "s.fcfs.8.jsonl", "s.rotasched.8.jsonl"]
+    again = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    assert again[0]["settings"]["policy"] == "fcfs"
+    records = [json.loads(line) for line in logs[1].read_text().splitlines()]
     assert records[0]["event"] == "config" and [r["event"] for r in records].count("add") == 4
     assert all(r["step"] >= 0 for r in records if r["event"] == "step")
 
@@ -136,3 +138,20 @@ def test_verdict_names_the_best_rotating_policy_and_flags_harm():
     uneven = verdict([level[0] | {"speed": 1.04}, level[1]])
     assert "UNEVEN SPEED: the machine ran fcfs 5.1% slower than rotasched" in uneven[0]
     assert "best rotating policy rotasched" in uneven[1]   # still reported, with the warning
+
+
+def test_a_policy_named_twice_runs_twice_and_the_verdict_gives_the_a_a_gap():
+    assert bench.label_repeats(["fcfs", "rotasched", "fcfs", "rotasched", "fcfs"]) == [
+        "fcfs", "rotasched", "fcfs#2", "rotasched#2", "fcfs#3"]
+    assert bench.policy_of("rotasched:alpha=3#2") == "rotasched:alpha=3"
+    rows = [row("fcfs", 0.3, 0.9, 0.5, 30, pre=5) | {"speed": 1.0},
+            row("rotasched", 0.6, 0.9, 0.5, 30, rot=3) | {"speed": 1.0},
+            row("fcfs#2", 0.5, 0.9, 0.5, 30) | {"speed": 1.01},
+            row("rotasched#2", 0.9, 0.9, 0.5, 30, rot=3) | {"speed": 1.0}]
+    lines = verdict(rows)
+    aa = [x for x in lines if "A/A" in x]
+    assert len(aa) == 2 and "fcfs#2 repeats fcfs" in aa[0] and "20.0 points apart" in aa[0]
+    assert "machine speed 1.000 and 1.010" in aa[0] and "30.0 points apart" in aa[1]
+    # the repeat is the noise floor, not a second chance: the best is the first run's
+    assert any("best rotating policy rotasched: TTFT attainment 60.0%" in x for x in lines)
+

@@ -127,7 +127,7 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
     lines = []
     for rate in sorted({r["rate"] for r in rows}):
         by = {r["policy"]: r for r in rows if r["rate"] == rate}
-        rotating = [r for p, r in by.items() if p.startswith("rotasched")]
+        rotating = [r for p, r in by.items() if p.startswith("rotasched") and "#" not in p]
         if base not in by or not rotating:
             continue
         noisy = [p for p, r in by.items() if r.get("disturbed")]
@@ -135,7 +135,7 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
             lines.append(f"rate {rate:.2f}/s: DISTURBED: other processes took the CPUs during the "
                          f"{', '.join(noisy)} run(s); no gain is reported for this rate")
             continue
-        lines += uneven_speed(rate, by)
+        lines += uneven_speed(rate, by) + same_policy_twice(rate, by)
         b = by[base]
         best = max(rotating, key=lambda r: (r["ttft_attainment"], r["tbt_attainment"]))
         gain = best["ttft_attainment"] - b["ttft_attainment"]
@@ -151,6 +151,25 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
         for r in rotating:
             for h in harms(b, r, by.get("fcfs-swap")):
                 lines.append(f"rate {rate:.2f}/s: {r['policy']} does harm: {h}")
+    return lines
+
+
+def same_policy_twice(rate: float, by: dict[str, dict]) -> list[str]:
+    """A/A: a policy run again on the same arrivals (bench.py labels it 'fcfs-swap#2'): how far
+    apart the machine alone puts two runs, the resolution of every comparison at this rate."""
+    lines = []
+    for label, again in by.items():
+        first = by.get(label.split("#")[0])
+        if "#" not in label or first is None:
+            continue
+        gap = 100 * abs(again["ttft_attainment"] - first["ttft_attainment"])
+        sp = [r.get("speed") for r in (first, again)]
+        speeds = f", machine speed {sp[0]:.3f} and {sp[1]:.3f}" if all(sp) else ""
+        lines.append(f"rate {rate:.2f}/s: A/A: {label} repeats {first['policy']}: TTFT attainment "
+                     f"{first['ttft_attainment']:.1%} and {again['ttft_attainment']:.1%} "
+                     f"({gap:.1f} points apart), TBT attainment {first['tbt_attainment']:.1%} and "
+                     f"{again['tbt_attainment']:.1%}{speeds}: differences between policies "
+                     "within that are the machine's as much as theirs")
     return lines
 
 
