@@ -131,6 +131,7 @@ class Policy:
     rotates = False              # may rotate running requests out to admit a candidate
     one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
     prealloc_tokens = 0          # slots allocated ahead when a request needs a new block
+    backfill = False             # once a candidate is passed over, admit only those that fit
     PARAMS: dict[str, type] = {}  # what 'name:key=value' may set
 
     def rank(self, r: Request, now: float) -> tuple:
@@ -224,7 +225,10 @@ class RotaSched(Policy):
                  small budget), or "stalled", only those already out longer than `stall`;
       pick       the victim of a reactive preemption (a running request needs a block): "lag",
                  the longest-running decode (the tail of the VLT order), or "last", the last
-                 admitted (vLLM's; the newest holds the least KV, so it comes back soonest).
+                 admitted (vLLM's; the newest holds the least KV, so it comes back soonest);
+      backfill   1: a candidate that cannot start does not hold back the ones behind it in its
+                 queue, but those may then only start in the room that is free, rotating no one
+                 out (short prompts pass a long one during a burst; long ones may wait longer).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
@@ -233,14 +237,15 @@ class RotaSched(Policy):
                "of": ("admitted", "generated"), "out": ("all", "stalled")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
-              "stalls": float, "stall": float, "pick": str, "of": str, "out": str}
+              "stalls": float, "stall": float, "pick": str, "of": str, "out": str,
+              "backfill": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
-                 of: str = "admitted", out: str = "all", duplex: bool = True,
-                 ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+                 of: str = "admitted", out: str = "all", backfill: float = 0,
+                 duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
                            ("of", of), ("out", out)):
             if value not in self.CHOICES[key]:
@@ -250,6 +255,7 @@ class RotaSched(Policy):
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
         self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
+        self.backfill = bool(backfill)
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -279,7 +285,7 @@ class RotaSched(Policy):
         return [sorted(queued, key=lambda r: self.rank(r, now))]
 
     def strict(self, c: Request) -> bool:
-        return not (self.back == "free" and c.status is Status.ROTARY)
+        return not (self.backfill or (self.back == "free" and c.status is Status.ROTARY))
 
     def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
         if c.status is Status.ROTARY and self.back != "rotate":
@@ -534,30 +540,33 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, queue: list[Request], now: float) -> None:
         """Step 2: admit or rotate in, in order, until one does not fit (and the policy holds
-        the ones behind it back)."""
+        the ones behind it back; with backfill those behind it may start in free room only)."""
+        held = False
         for c in queue:
-            if self._budget <= 0 or self._partial_prefill(plan):
+            if self._budget <= 0 or self._partial_prefill(plan) or (held and not self.bm.num_free):
                 return
             if c.status is Status.WAITING and self._hold_new(c):
                 continue
             if c.rid in plan.rotated_out:
                 continue  # its copy out is in flight: not back in the same step
-            victims = self._victims_for(plan, c, now)
+            victims = self._victims_for(plan, c, now, rotate=not held)
             if victims is None:
                 if self.policy.strict(c):
                     return
+                held = self.policy.backfill
                 continue
             for v in victims:
                 self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
             self._start(plan, c, now)
 
-    def _victims_for(self, plan: StepPlan, c: Request, now: float) -> list[Request] | None:
+    def _victims_for(self, plan: StepPlan, c: Request, now: float,
+                     rotate: bool = True) -> list[Request] | None:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
-        or None if it cannot fit even with every eligible victim: all or nothing."""
+        or None if it cannot fit even with every eligible victim (or without, if not rotate)."""
         cost = Room(self.bm.num_free, self._budget, 0, 0)
         if self._fits(plan, c, cost, 0):
             return []
-        if not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
+        if not (rotate and self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
             return None
         started = set(plan.admitted + plan.resumed + plan.rotated_in)
         chosen: list[Request] = []

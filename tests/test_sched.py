@@ -51,7 +51,8 @@ def check_step(s: Scheduler, plan):
 workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1, 20),
                               st.integers(0, 2)), min_size=1, max_size=25)
 POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
-                                   "rotasched:per-layer", "rotasched-released:per-layer"]
+                                   "rotasched:per-layer", "rotasched-released:per-layer",
+                                   "rotasched:backfill=1"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -164,6 +165,29 @@ def test_rotasched_rotates_the_longest_running_decode_for_a_new_request():
     assert plan.rotated_out == ["r1"] and plan.rotated_for == {"r1": "new"}
     assert plan.admitted == ["new"] and s.requests["r1"] not in plan.chunks
     assert s.bm.num_fenced == 1            # r1's dirty block waits for its copy to land
+
+
+def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():
+    """quantum=100: nobody may be rotated out, so "new" (5 blocks, 4 free) cannot start."""
+    for spec, started in (("rotasched:quantum=100", []),
+                          ("rotasched:quantum=100,backfill=1", ["short"])):
+        s = rotation_setup(policy=spec)
+        s.add(Request("short", 4, 4, 0.1))
+        plan = s.schedule(0.3)
+        assert plan.admitted == started and not plan.rotated_out, (spec, plan)
+    s = rotation_setup(policy="rotasched:backfill=1,stalls=0")  # new can rotate r1 out: no pass
+    s.add(Request("short", 4, 4, 0.1))
+    plan = s.schedule(0.3)
+    assert plan.admitted[0] == "new" and plan.rotated_for["r1"] == "new"
+    # "new" is past its TTFT SLO, so gate=viable rotates no one out for it; "mid" could rotate
+    # r1 out, but behind a passed-over head only free room may be used: "short" fits in it
+    for spec, started in (("rotasched:gate=viable,stalls=0", []),
+                          ("rotasched:gate=viable,stalls=0,backfill=1", ["short"])):
+        s = rotation_setup(policy=spec, arrival=-5.0)
+        s.add(Request("mid", 20, 4, 0.1))
+        s.add(Request("short", 4, 4, 0.2))
+        plan = s.schedule(0.3)
+        assert plan.admitted == started and not plan.rotated_out, (spec, plan)
 
 
 def test_gate_viable_rotates_only_for_a_request_that_can_still_meet_its_ttft_slo():
