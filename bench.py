@@ -34,7 +34,7 @@ from serving import client
 from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
 from tools import bench_speed, schedlog, sim
 from weights.loader import load_model, resolve_device
-from workload.metrics import plot, print_table, progress, summarize, verdict
+from workload.metrics import plot, policy_of, print_table, progress, summarize, verdict
 from workload.trace import (DEFAULT_TRACE, WORKLOADS, Item, Scaling, TraceError, describe_scaling,
                             read_trace, synthetic_prompts, synthetic_workload, trace_workload,
                             with_rate)
@@ -204,10 +204,6 @@ def label_repeats(policies: list[str]) -> list[str]:
     return out
 
 
-def policy_of(label: str) -> str:
-    return label.split("#")[0]
-
-
 def size_pool(cfg, items, args, verbose: bool) -> None:
     """A device pool of --pool-seqs mean requests (at least the largest one), unless given."""
     mean_len = statistics.mean(i.prompt_len + i.output_len for i in items)
@@ -271,13 +267,14 @@ def run_serving(args, ap, results: list[dict]) -> None:
                 mark = cpu_mark()
                 recs, stats = run(timed, prompts, f"{pol} @ {rate:.2f} req/s",
                                   2 * args.run_seconds, rate=rate)
-                stats["other_cpu"] = None if policy_of(pol) == "openai" else other_cpu_share(mark)
+                kind = policy_of(pol)
+                stats["other_cpu"] = None if kind == "openai" else other_cpu_share(mark)
                 results.append(base | row(pol, rate, recs, stats, ttft_slo, tbt_slo, args)
                                | {"repeat": k, "seed": args.seed + k,
                                   "trace_offset": args.trace_offset + k * args.num_requests})
-                if args.validate_sim and policy_of(pol) not in ("hf", "openai"):
-                    results[-1]["sim"] = validate_row(results[-1], timed, replace(
-                        cfg, policy=policy_of(pol)), policy_of(pol))
+                if args.validate_sim and kind not in ("hf", "openai"):
+                    results[-1]["sim"] = validate_row(results[-1], timed,
+                                                      replace(cfg, policy=kind), kind)
             judge_speed(results[-len(args.policies):], args, runs)
 
 

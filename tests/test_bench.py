@@ -4,7 +4,7 @@ import json
 import pytest
 
 import bench
-from workload.metrics import harms, percentile, summarize, verdict
+from workload.metrics import harms, percentile, policy_of, summarize, verdict
 from workload.trace import (DEFAULT_TRACE, Scaling, TraceError, read_trace, synthetic_workload,
                             trace_workload, with_rate)
 
@@ -80,11 +80,12 @@ def test_real_trace_and_synthetic_arrivals():
 def test_tiny_end_to_end_json(tmp_path):
     out, log = tmp_path / "r.json", tmp_path / "s.jsonl"
     bench.main(["--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
-                "--rates", "8", "--policies", "fcfs,rotasched,fcfs", "--num-device-blocks", "4",
+                "--rates", "8", "--policies", "fcfs,rotasched,fcfs",  # fcfs named twice
+                "--num-device-blocks", "4",
                 "--block-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
                 "--json", str(out), "--log", str(log)])
     rows = json.loads(out.read_text())
-    assert [r["policy"] for r in rows] == ["fcfs", "rotasched", "fcfs#2"]   # named twice: run twice
+    assert [r["policy"] for r in rows] == ["fcfs", "rotasched", "fcfs#2"]   # so it runs twice
     for r in rows:
         assert set(bench.JSON_KEYS) <= set(r) and r["num_requests"] == 4 and r["rate"] == 8.0
         assert 0 <= r["ttft_attainment"] <= 1 and r["throughput_tok_s"] > 0
@@ -143,7 +144,7 @@ def test_verdict_names_the_best_rotating_policy_and_flags_harm():
 def test_a_policy_named_twice_runs_twice_and_the_verdict_gives_the_a_a_gap():
     assert bench.label_repeats(["fcfs", "rotasched", "fcfs", "rotasched", "fcfs"]) == [
         "fcfs", "rotasched", "fcfs#2", "rotasched#2", "fcfs#3"]
-    assert bench.policy_of("rotasched:alpha=3#2") == "rotasched:alpha=3"
+    assert policy_of("rotasched:alpha=3#2") == "rotasched:alpha=3"
     rows = [row("fcfs", 0.3, 0.9, 0.5, 30, pre=5) | {"speed": 1.0},
             row("rotasched", 0.6, 0.9, 0.5, 30, rot=3) | {"speed": 1.0},
             row("fcfs#2", 0.5, 0.9, 0.5, 30) | {"speed": 1.01},
@@ -154,4 +155,3 @@ def test_a_policy_named_twice_runs_twice_and_the_verdict_gives_the_a_a_gap():
     assert "machine speed 1.000 and 1.010" in aa[0] and "30.0 points apart" in aa[1]
     # the repeat is the noise floor, not a second chance: the best is the first run's
     assert any("best rotating policy rotasched: TTFT attainment 60.0%" in x for x in lines)
-

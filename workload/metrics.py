@@ -127,7 +127,7 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
     lines = []
     for rate in sorted({r["rate"] for r in rows}):
         by = {r["policy"]: r for r in rows if r["rate"] == rate}
-        rotating = [r for p, r in by.items() if p.startswith("rotasched") and "#" not in p]
+        rotating = [r for p, r in by.items() if p.startswith("rotasched") and policy_of(p) == p]
         if base not in by or not rotating:
             continue
         noisy = [p for p, r in by.items() if r.get("disturbed")]
@@ -154,13 +154,18 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
     return lines
 
 
+def policy_of(label: str) -> str:
+    """The policy a row label names: bench.py labels a policy's second run 'fcfs-swap#2'."""
+    return label.split("#")[0]
+
+
 def same_policy_twice(rate: float, by: dict[str, dict]) -> list[str]:
     """A/A: a policy run again on the same arrivals (bench.py labels it 'fcfs-swap#2'): how far
     apart the machine alone puts two runs, the resolution of every comparison at this rate."""
     lines = []
     for label, again in by.items():
-        first = by.get(label.split("#")[0])
-        if "#" not in label or first is None:
+        first = by.get(policy_of(label))
+        if first is None or first is again:
             continue
         gap = 100 * abs(again["ttft_attainment"] - first["ttft_attainment"])
         sp = [r.get("speed") for r in (first, again)]
