@@ -131,7 +131,7 @@ class Policy:
     rotates = False              # may rotate running requests out to admit a candidate
     one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
     prealloc_tokens = 0          # slots allocated ahead when a request needs a new block
-    backfill = False             # once a candidate is passed over, admit only those that fit
+    backfill = False             # a new request that cannot start holds back none behind it
     PARAMS: dict[str, type] = {}  # what 'name:key=value' may set
 
     def rank(self, r: Request, now: float) -> tuple:
@@ -226,9 +226,11 @@ class RotaSched(Policy):
       pick       the victim of a reactive preemption (a running request needs a block): "lag",
                  the longest-running decode (the tail of the VLT order), or "last", the last
                  admitted (vLLM's; the newest holds the least KV, so it comes back soonest);
-      backfill   1: a candidate that cannot start does not hold back the ones behind it in its
-                 queue, but those may then only start in the room that is free, rotating no one
-                 out (short prompts pass a long one during a burst; long ones may wait longer).
+      backfill   1: a new request that cannot start does not hold back the new ones behind it;
+                 those may then start only if their whole prompt fits in the free room (rotating
+                 no one out) and they are not yet due (lag < 0: waited under beta_f x S_TTFT):
+                 short prompts pass a long one in a burst (which may wait longer); rotated-out
+                 requests still return in order. 0: strict, like the queues of vLLM.
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
@@ -244,7 +246,7 @@ class RotaSched(Policy):
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
-                 of: str = "admitted", out: str = "all", backfill: float = 0,
+                 of: str = "admitted", out: str = "all", backfill: float = 1,
                  duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
                            ("of", of), ("out", out)):
@@ -285,14 +287,16 @@ class RotaSched(Policy):
         return [sorted(queued, key=lambda r: self.rank(r, now))]
 
     def strict(self, c: Request) -> bool:
-        return not (self.backfill or (self.back == "free" and c.status is Status.ROTARY))
+        return self.back != "free" if c.status is Status.ROTARY else not self.backfill
 
     def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
         if c.status is Status.ROTARY and self.back != "rotate":
             return False
-        if self.gate == "viable" and c.status is Status.WAITING:
-            return now - c.arrival < (c.ttft_slo or self.ttft_slo)
-        return self.gate != "due" or self.lag(c, now) >= 0
+        return {"viable": self.viable(c, now), "due": self.lag(c, now) >= 0}.get(self.gate, True)
+
+    def viable(self, c: Request, now: float) -> bool:
+        """Can c still meet its TTFT SLO (True once it has its first token)?"""
+        return c.status is not Status.WAITING or now - c.arrival < (c.ttft_slo or self.ttft_slo)
 
     def spent(self, v: Request) -> bool:
         """Has v been rotated out as often as it may be?"""
@@ -397,7 +401,8 @@ def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Polic
     name, _, args = spec.partition(":")
     if name not in POLICIES:
         raise ValueError(f"policy: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
-    cls, params = POLICIES[name], {}
+    cls = POLICIES[name]
+    params = {"ttft_slo": ttft_slo, "tbt_slo": tbt_slo} if cls is RotaSched else {}
     for item in filter(None, args.split(",")):
         key, eq, value = item.partition("=")
         if item == "per-layer" and cls.duplex:
@@ -408,8 +413,6 @@ def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Polic
             takes = ", ".join([f"{k}=" for k in cls.PARAMS] + ["per-layer"] * cls.duplex)
             raise ValueError(f"policy {spec!r}: cannot read {item!r} ({name} takes "
                              f"{takes or 'nothing'})")
-    if cls is RotaSched:
-        return cls(**params, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
     return cls(**params)
 
 
@@ -549,24 +552,28 @@ class Scheduler:
                 continue
             if c.rid in plan.rotated_out:
                 continue  # its copy out is in flight: not back in the same step
-            victims = self._victims_for(plan, c, now, rotate=not held)
+            victims = self._victims_for(plan, c, now, passed=held)
             if victims is None:
                 if self.policy.strict(c):
                     return
-                held = self.policy.backfill
+                held = held or c.status is Status.WAITING  # only backfill makes new ones lax
                 continue
             for v in victims:
                 self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
             self._start(plan, c, now)
 
     def _victims_for(self, plan: StepPlan, c: Request, now: float,
-                     rotate: bool = True) -> list[Request] | None:
+                     passed: bool = False) -> list[Request] | None:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
-        or None if it cannot fit even with every eligible victim (or without, if not rotate)."""
+        or None if it cannot fit even with every eligible victim. Once a candidate was passed
+        over (backfill), c may start only whole in free room and while it is not yet due."""
         cost = Room(self.bm.num_free, self._budget, 0, 0)
+        if passed and (self.bm.blocks_for(c.num_tokens) > cost.room or
+                       self.policy.lag(c, now) >= 0):
+            return None
         if self._fits(plan, c, cost, 0):
             return []
-        if not (rotate and self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
+        if passed or not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
             return None
         started = set(plan.admitted + plan.resumed + plan.rotated_in)
         chosen: list[Request] = []

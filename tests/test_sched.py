@@ -52,7 +52,7 @@ workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1
                               st.integers(0, 2)), min_size=1, max_size=25)
 POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
                                    "rotasched:per-layer", "rotasched-released:per-layer",
-                                   "rotasched:backfill=1"]
+                                   "rotasched:backfill=0"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -169,25 +169,41 @@ def test_rotasched_rotates_the_longest_running_decode_for_a_new_request():
 
 def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():
     """quantum=100: nobody may be rotated out, so "new" (5 blocks, 4 free) cannot start."""
-    for spec, started in (("rotasched:quantum=100", []),
-                          ("rotasched:quantum=100,backfill=1", ["short"])):
+    for spec, started in (("rotasched:quantum=100,backfill=0", []),
+                          ("rotasched:quantum=100", ["short"])):   # backfill=1 is the default
         s = rotation_setup(policy=spec)
         s.add(Request("short", 4, 4, 0.1))
         plan = s.schedule(0.3)
         assert plan.admitted == started and not plan.rotated_out, (spec, plan)
-    s = rotation_setup(policy="rotasched:backfill=1,stalls=0")  # new can rotate r1 out: no pass
+    s = rotation_setup(policy="rotasched:stalls=0")  # new can rotate r1 out: no pass
     s.add(Request("short", 4, 4, 0.1))
     plan = s.schedule(0.3)
     assert plan.admitted[0] == "new" and plan.rotated_for["r1"] == "new"
     # "new" is past its TTFT SLO, so gate=viable rotates no one out for it; "mid" could rotate
     # r1 out, but behind a passed-over head only free room may be used: "short" fits in it
-    for spec, started in (("rotasched:gate=viable,stalls=0", []),
-                          ("rotasched:gate=viable,stalls=0,backfill=1", ["short"])):
+    for spec, started in (("rotasched:gate=viable,stalls=0,backfill=0", []),
+                          ("rotasched:gate=viable,stalls=0", ["short"])):
         s = rotation_setup(policy=spec, arrival=-5.0)
         s.add(Request("mid", 20, 4, 0.1))
         s.add(Request("short", 4, 4, 0.2))
         plan = s.schedule(0.3)
         assert plan.admitted == started and not plan.rotated_out, (spec, plan)
+
+
+def test_a_passed_request_starts_only_whole_and_only_while_it_is_not_yet_due():
+    """Behind a passed-over head: a first chunk that fits is not enough (the rest would need
+    room that others wait for), and a request already due (waited beta_f x S_TTFT = 0.5 s
+    here) does not pass: it may rotate others out once it is the head."""
+    s = rotation_setup()
+    s._budget = 5                        # 5 tokens left this step: 2 blocks of the 4 free
+    s.add(Request("mid", 20, 4, 0.1))    # 5 blocks whole
+    s.add(Request("short", 8, 4, 0.1))   # 2 blocks whole
+    plan, (mid, short) = StepPlan(s.bm.epoch, 0.3), (s.requests["mid"], s.requests["short"])
+    assert s._victims_for(plan, mid, 0.3) == [] and s._victims_for(plan, short, 0.3) == []
+    assert s._victims_for(plan, mid, 0.3, passed=True) is None
+    assert s._victims_for(plan, short, 0.3, passed=True) == []
+    assert s._victims_for(plan, short, 0.59, passed=True) == []
+    assert s._victims_for(plan, short, 0.61, passed=True) is None
 
 
 def test_gate_viable_rotates_only_for_a_request_that_can_still_meet_its_ttft_slo():
@@ -308,12 +324,12 @@ def test_a_parked_request_comes_back_into_free_room_or_by_rotation(back):
     """back=fifo/free: a rotary request never displaces anyone (free: nor holds the queue
     behind it; fifo: it holds only the rotary queue, tested below); back=rotate: it may
     displace running requests, and a candidate that cannot start holds the rest back (strict
-    LVF order)."""
+    LVF order; a new request holds back no one with backfill, the default)."""
     s = rotation_setup(policy=f"rotasched:back={back}")
     assert step_once(s, 0.6).rotated_out == ["r1"]         # for "new"
     r1, p = s.requests["r1"], s.policy
     assert p.may_rotate_for(s, r1, 0.7) == (back == "rotate")
-    assert p.strict(r1) == (back != "free") and p.strict(s.requests["new"])
+    assert p.strict(r1) == (back != "free") and p.strict(s.requests["new"]) is not p.backfill
     s.abort("new")                                          # room again: r1 simply comes back
     plan = step_once(s, 0.7)
     assert plan.rotated_in == ["r1"] and not plan.rotated_out
