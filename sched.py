@@ -566,10 +566,11 @@ class Scheduler:
                      passed: bool = False) -> list[Request] | None:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
         or None if it cannot fit even with every eligible victim. Once a candidate was passed
-        over (backfill), c may start only whole in free room and while it is not yet due."""
+        over (backfill), c may start only whole in free room, and a new one only while it is
+        not yet due."""
         cost = Room(self.bm.num_free, self._budget, 0, 0)
         if passed and (self.bm.blocks_for(c.num_tokens) > cost.room or
-                       self.policy.lag(c, now) >= 0):
+                       c.status is Status.WAITING and self.policy.lag(c, now) >= 0):
             return None
         if self._fits(plan, c, cost, 0):
             return []

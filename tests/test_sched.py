@@ -52,7 +52,7 @@ workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1
                               st.integers(0, 2)), min_size=1, max_size=25)
 POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
                                    "rotasched:per-layer", "rotasched-released:per-layer",
-                                   "rotasched:backfill=0"]
+                                   "rotasched:backfill=0", "rotasched:back=free"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
