@@ -204,6 +204,14 @@ def test_a_passed_request_starts_only_whole_and_only_while_it_is_not_yet_due():
     assert s._victims_for(plan, short, 0.3, passed=True) == []
     assert s._victims_for(plan, short, 0.59, passed=True) == []
     assert s._victims_for(plan, short, 0.61, passed=True) is None
+    # the due limit is for new requests: a rotated-out one (back=free ranks it with them) whose
+    # lag is never negative may still come back behind a passed-over head, if it fits whole
+    s = rotation_setup(policy="rotasched:back=free")
+    assert step_once(s, 0.6).rotated_out == ["r1"]
+    s.abort("new")
+    r1 = s.requests["r1"]
+    assert s.policy.lag(r1, 0.7) > 0
+    assert s._victims_for(StepPlan(s.bm.epoch, 0.7), r1, 0.7, passed=True) == []
 
 
 def test_gate_viable_rotates_only_for_a_request_that_can_still_meet_its_ttft_slo():
