@@ -320,3 +320,25 @@ def test_the_bench_client_counts_tokens_and_reads_the_servers_counters(served):
     assert [len(times) for _, times in records] == [it.output_len for it in items]
     assert {"rotations", "bytes_moved", "recomputes"} <= set(stats)
     assert stats["rotations"] >= 0 and stats["unfinished"] == 0
+
+
+def test_the_bench_client_never_replays_a_prompt_a_prefix_cache_could_reuse(monkeypatch):
+    """Runs against one server (calibration, each rate, each repeat) send the same arrivals: each
+    run rotates its prompts by its own amount, so no run starts a prompt as an earlier one did,
+    while every prompt keeps its tokens and its length."""
+    from serving import client as bench_client
+    from workload.trace import Item
+    sent = []
+    monkeypatch.setattr(bench_client, "complete",
+                        lambda url, model, prompt, n, timeout: sent.append(prompt) or [0.0] * n)
+    monkeypatch.setattr(bench_client, "server_counters", lambda url: {})
+    items = [Item(0.0, 40, 2) for _ in range(3)]
+    prompts = [[1000 + 50 * i + j for j in range(40)] for i in range(3)]
+    for _ in range(4):
+        records, _ = bench_client.serve("http://127.0.0.1:9", None, items, prompts, "t", 5.0)
+        assert [len(t) for _, t in records] == [2, 2, 2]
+    assert len(sent) == 12
+    assert (sorted(tuple(sorted(p)) for p in sent)
+            == sorted(tuple(sorted(q)) for q in prompts for _ in range(4)))
+    firsts = [tuple(p[:16]) for p in sent]
+    assert len(set(firsts)) == len(firsts)

@@ -24,6 +24,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "smollm2"
+WARM_UP = 18  # the trace slice (x 1,000 requests) the warm-up requests come from
 FIGURES = (("TTFT mean s", "ttft_mean_s", 1), ("TTFT p99 s", "ttft_p99_s", 1),
            ("TBT p50 ms", "tbt_p50_s", 1e3), ("TBT p99 ms", "tbt_p99_s", 1e3),
            ("TTFT att %", "ttft_attainment", 100), ("TBT att %", "tbt_attainment", 100),
@@ -69,6 +70,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def workload(args, rate: float, k: int):
+    """Round k's arrivals at `rate`: slice k of the trace (seed k), 1,000 requests apart. Every
+    (round, rate) has its own slice: a server runs all rates in one process, and prompts seen at
+    an earlier rate would hit vLLM's prefix cache (on by default; we have none), which made
+    its TTFT at 2-6 req/s look up to 2x better in an earlier version of this script."""
     from bench import build_workload, parse_args
     from workload.trace import with_rate
     n = max(8, round(args.seconds * rate))
@@ -84,10 +89,10 @@ def run_server(kind: str, args, k: int, rows: list[dict]) -> None:
     proc = start(kind, args, args.port)
     try:
         base = f"http://127.0.0.1:{args.port}"
-        items, prompts = workload(args, 1.0, 9)  # trace offset 9,000: not a measured slice
+        items, prompts = workload(args, 1.0, WARM_UP)  # not a measured slice
         serve(base, NAME, items[:2], prompts[:2], "warm-up", 120)
-        for rate in args.rates:
-            items, prompts = workload(args, rate, k)
+        for j, rate in enumerate(args.rates):
+            items, prompts = workload(args, rate, k * len(args.rates) + j)
             recs, stats = serve(base, NAME, items, prompts, f"{kind} @ {rate} req/s",
                                 4 * args.seconds)
             row = summarize(recs, args.ttft_slo, args.tbt_slo) | stats
@@ -131,7 +136,15 @@ def main(argv=None) -> None:
     ap.add_argument("--logs", default="/tmp/serve_compare_logs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.rates = [float(r) for r in args.rates.split(",")]
+    try:
+        args.rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        ap.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
+    if min(args.rates) <= 0 or args.runs < 1 or args.seconds <= 0:
+        ap.error("--rates, --runs and --seconds must be positive")
+    if args.runs * len(args.rates) > WARM_UP or max(args.rates) * args.seconds > 1000:
+        ap.error(f"at most {WARM_UP} (round, rate) pairs of at most 1,000 requests each: every "
+                 "pair replays its own slice of the trace")
     servers = [s for s in args.servers.split(",") if args.vllm_python or s != "vllm"]
     os.makedirs(args.logs, exist_ok=True)
     if not os.path.exists(os.path.join(args.ckpt, "model.safetensors")):

