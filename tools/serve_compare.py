@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def server_command(kind: str, args, port: int) -> tuple[list[str], dict]:
     return [sys.executable, "superinfer.py", "serve", "--model", args.ckpt, "--port", str(port),
             "--served-model-name", NAME, "--policy", kind.removeprefix("ours-"),
             "--num-device-blocks", str(blocks), "--ttft-slo", str(args.ttft_slo),
-            "--tbt-slo", str(args.tbt_slo)], env
+            "--tbt-slo", str(args.tbt_slo)] + shlex.split(args.ours_args), env
 
 
 def start(kind: str, args, port: int) -> subprocess.Popen:
@@ -98,6 +99,7 @@ def run_server(kind: str, args, k: int, rows: list[dict]) -> None:
             row = summarize(recs, args.ttft_slo, args.tbt_slo) | stats
             rows.append(row | {"server": kind, "rate": rate, "round": k,
                                "kv_gib": args.kv_gib, "ttft_slo_s": args.ttft_slo,
+                               "ours_args": args.ours_args if kind != "vllm" else "",
                                "tbt_slo_s": args.tbt_slo})
             print(f"round {k + 1} {kind:<14} {rate:4g} req/s: " + ", ".join(
                 f"{name} {row[key] * s:.2f}" for name, key, s in FIGURES), flush=True)
@@ -134,6 +136,8 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--ckpt", default="/tmp/superinfer-smollm2-hf")
     ap.add_argument("--logs", default="/tmp/serve_compare_logs")
+    ap.add_argument("--ours-args", default="", help="more options for our server, e.g. vLLM's "
+                    "CPU batch limits: '--max-num-seqs 128 --max-num-batched-tokens 2048'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -157,6 +161,8 @@ def main(argv=None) -> None:
                 run_server(kind, args, k, rows)
     except KeyboardInterrupt:
         print(f"\ninterrupted; {len(rows)} rows kept", file=sys.stderr)
+    except RuntimeError as e:  # a server that did not start: its log says why
+        print(f"stopped: {e}; {len(rows)} rows kept", file=sys.stderr)
     report(rows)
     if args.json:
         with open(args.json, "w") as f:
