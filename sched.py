@@ -211,9 +211,10 @@ class RotaSched(Policy):
                  "viable": only while it can still meet its TTFT SLO (rotating for a request
                  already past it buys no attainment and costs the victims' token gaps);
       quantum    seconds a request must run before it may be rotated out (0 = off);
-      budget     rotations per token generated, engine-wide (0 = no limit): each rotation is a
-                 long gap for its victim, so below 1% of all gaps they leave the TBT p99 alone;
-      stalls     the TBT tail as a budget: no rotation for a candidate while the stalls so far
+      budget     rotations per token generated, engine-wide, over the last WINDOW tokens or so
+                 (0 = no limit): each rotation is a long gap for its victim, so below 1% of all
+                 gaps they leave the TBT p99 alone;
+      stalls     the TBT tail as a budget: no rotation for a candidate while the recent stalls
                  (rotated-out requests that were, or are, out longer than `stall` TBT SLOs)
                  reach this share of the tokens (0 = no limit). The p99 is 1% of the gaps;
                  0.0075 leaves a quarter of it to the long gaps the load makes anyway;
@@ -430,6 +431,12 @@ def parse_param(spec: str, key: str, value: str, kind: type):
 
 # ---------------------------------------------------------------- the mechanism
 
+# RotaSched's budgets (budget, stalls) are shares of the recent history: about the last WINDOW
+# to 2 x WINDOW tokens. Ours: over the whole history, a server that had run calmer loads for a
+# while could stall streams for seconds when overloaded (README, "Serving under load").
+WINDOW = 4096
+
+
 class Scheduler:
     """Continuous batching over two tiers of KV blocks; cfg is an EngineConfig (config.py)."""
 
@@ -442,8 +449,9 @@ class Scheduler:
         self.rotary: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.num_generated = self.num_rotated = 0   # tokens sampled, rotations out (all time)
-        self.num_stalls = 0                         # rotated-in requests the policy saw stalled
+        # tokens sampled, rotations out, rotated-in requests the policy saw stalled: recent
+        # history only, all three halved whenever the tokens reach WINDOW (see update)
+        self.num_generated = self.num_rotated = self.num_stalls = 0
         self.log = open(cfg.log_path, "w") if cfg.log_path else None
         settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
         self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
@@ -702,12 +710,9 @@ class Scheduler:
 
     def fits_all(self, requests: list[Request]) -> bool:
         """Could free device blocks hold what every one of these requests needs next?"""
-        need = 0
-        for r in requests:
-            if r.status is Status.RUNNING:
-                need += self.bm.new_blocks_needed(r.rid, r.num_tokens - r.num_computed)
-            else:
-                need += self.bm.blocks_for(r.num_tokens)
+        need = sum(self.bm.new_blocks_needed(r.rid, r.num_tokens - r.num_computed)
+                   if r.status is Status.RUNNING else self.bm.blocks_for(r.num_tokens)
+                   for r in requests)
         return need <= self.bm.num_free
 
     def _write_back(self, plan: StepPlan) -> None:
@@ -738,8 +743,7 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: dict[str, int], now: float) -> list[Request]:
         """Apply a step's results: KV computed, one token sampled for each request that finished
         its chunk at the end of its tokens. Returns the requests that finished."""
-        finished = []
-        stopped = []
+        finished, stopped = [], []
         for r, n in plan.chunks.items():
             if r.status is not Status.RUNNING:
                 continue  # aborted while the step ran
@@ -760,6 +764,9 @@ class Scheduler:
             else:
                 continue
             finished.append(r)
+        if self.num_generated >= WINDOW:  # a long-running server's calm hours must not pay
+            self.num_generated, self.num_rotated, self.num_stalls = (  # for stalls under load
+                n // 2 for n in (self.num_generated, self.num_rotated, self.num_stalls))
         self._log(event="step", step=self.num_steps - 1, now=plan.now, done=now,
                   landed=plan.landed, **plan.decisions(), stopped=stopped)
         return finished

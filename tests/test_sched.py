@@ -5,6 +5,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import sched
 from sched import POLICIES, Request, RotaSched, Scheduler, Status, StepPlan, make_policy
 from superinfer import EngineConfig
 from tools import schedlog
@@ -267,6 +268,25 @@ def test_stall_budget_of_admitted_counts_the_tokens_still_owed():
     s = rotation_setup(policy="rotasched:stalls=0.2")
     s.num_stalls = 10
     assert not s.schedule(0.3).rotated_out
+
+
+def test_the_budgets_count_recent_history_only(monkeypatch):
+    """The tokens, rotations and stalls the budgets are shares of are halved together whenever
+    the tokens reach sched.WINDOW, so a server's calm past does not pay for stalls now."""
+    monkeypatch.setattr(sched, "WINDOW", 16, raising=False)
+    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")
+    s.abort("new")
+    s.num_generated, s.num_rotated, s.num_stalls = 1000, 40, 2   # a long, calm past
+    for k in range(10):
+        step_once(s, 0.1 + 0.01 * k)                              # 3 tokens a step
+    assert s.num_generated < 16 and s.num_rotated == s.num_stalls == 0
+    s.num_stalls = 3                                              # three stalls just now
+    s.add(Request("new2", 20, 4, 0.2))
+    assert not s.schedule(0.3).rotated_out                        # 3 >= 0.2 x (< 16)
+    monkeypatch.setattr(sched, "WINDOW", 10**9, raising=False)  # the whole past counted:
+    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")
+    s.num_generated, s.num_stalls = 1000, 5                       # 5 < 0.2 x 1000
+    assert s.schedule(0.3).rotated_out == ["r1"]
 
 
 def test_a_stall_is_counted_when_a_rotated_out_request_comes_back_late():
