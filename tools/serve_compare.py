@@ -71,10 +71,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def workload(args, rate: float, k: int):
-    """Round k's arrivals at `rate`: slice k of the trace (seed k), 1,000 requests apart. Every
-    (round, rate) has its own slice: a server runs all rates in one process, and prompts seen at
-    an earlier rate would hit vLLM's prefix cache (on by default; we have none), which made
-    its TTFT at 2-6 req/s look up to 2x better in an earlier version of this script."""
+    """Arrivals at `rate` from slice k of the trace (seed k), slices 1,000 requests apart, so
+    every (round, rate) measures other requests. That no server finds a run's prompts in its
+    prefix cache is the client's doing (serving/client.py rotates each run's prompts)."""
     from bench import build_workload, parse_args
     from workload.trace import with_rate
     n = max(8, round(args.seconds * rate))
