@@ -124,6 +124,11 @@ class Decodes(NamedTuple):
     block_tables: Tensor     # [length, width], padded with each sequence's own first block
     mask: Tensor             # [length, 1, 1, width * block_size]: the slots holding context
 
+    def split(self, per: int) -> list["Decodes"]:
+        """This group in slices of at most `per` sequences."""
+        return [Decodes(self.row + i, min(per, self.length - i), self.block_tables[i:i + per],
+                        self.mask[i:i + per]) for i in range(0, self.length, per)]
+
 
 @dataclass(slots=True)
 class Batch:
@@ -142,6 +147,9 @@ class Batch:
 # a group of decodes costs about as much as attending to this many padding blocks more:
 # one K and one V gather and one SDPA call per layer (measured on the CPU with SmolLM2-135M)
 GROUP_COST_BLOCKS = 16
+# on the CPU a group gathers at most this many bytes of K and V a layer, so that SDPA reads the
+# copy from cache: decode steps at 32 x 512 / 1024 tokens 16% / 26% faster (32 MiB L3 here)
+GATHER_BYTES = 4 << 20
 
 
 def decode_groups(widths: list[int], cost: int) -> list[int]:
@@ -238,16 +246,6 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")[:m]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -321,9 +319,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn = FeedForward(cfg)
 
     def forward(self, x, cos, sin, kv_cache, b, scratch):
@@ -339,7 +337,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -350,6 +348,9 @@ class Llama(nn.Module):
     def forward(self, b: Batch, kv_pool: Tensor) -> Tensor:
         """Run one flat step, writing new K/V into kv_pool; returns logits [S, vocab] (fp32)."""
         x = self.embed(b.input_ids)                                  # x: [T, hidden]
+        if kv_pool.device.type == "cpu":  # kv_pool[0, 0]: one block's K and V of one layer
+            b.decodes = [s for g in b.decodes for s in g.split(
+                max(1, GATHER_BYTES // (g.block_tables.shape[1] * kv_pool[0, 0].nbytes)))]
         freqs = b.positions[:, None].to(self.inv_freq.dtype) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, Dh]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -65,15 +65,36 @@ def test_logits_match_hf_prefill_and_decode(kv_heads, tied, rope, vocab, head_di
 
 @settings(max_examples=25, deadline=None)
 @given(block_size=st.integers(1, 9), lens=st.lists(st.integers(1, 20), min_size=1, max_size=5),
-       seed=st.integers(0, 2**16), group_cost=st.sampled_from([0, 1, 16]))
-def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, seed, group_cost):
+       seed=st.integers(0, 2**16), group_cost=st.sampled_from([0, 1, 16]),
+       gather_bytes=st.sampled_from([0, 1 << 12, 4 << 20]))
+def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, seed, group_cost,
+                                                           gather_bytes):
     """Many sequences in one flat batch, scattered over permuted blocks, equal each run densely,
-    whichever groups the decodes are split into (cost 0: one group per distinct width)."""
-    old, model_mod.GROUP_COST_BLOCKS = model_mod.GROUP_COST_BLOCKS, group_cost
+    whichever groups the decodes are split into (cost 0: one group per distinct width) and
+    however the groups are sliced to bound the bytes they gather (0: one sequence a slice)."""
+    old = model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES
+    model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES = group_cost, gather_bytes
     try:
         check_paged_equals_dense(block_size, lens, seed)
     finally:
-        model_mod.GROUP_COST_BLOCKS = old
+        model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES = old
+
+
+def test_decode_groups_are_sliced_to_the_gather_bound():
+    """On the CPU a group whose K/V copy would exceed GATHER_BYTES a layer runs in slices that
+    cover its rows in order, each within the bound (one sequence at least)."""
+    ours, _ = tiny_pair(seed=1)
+    pool = torch.zeros(40, *ours.kv_block_shape(4))
+    per_seq = 2 * pool[0, 0].nbytes  # two blocks of context each
+    old, model_mod.GATHER_BYTES = model_mod.GATHER_BYTES, 3 * per_seq
+    try:
+        b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(8)], 4)
+        assert [(g.row, g.length) for g in b.decodes] == [(0, 8)]
+        ours(b, pool)
+        assert [(g.row, g.length) for g in b.decodes] == [(0, 3), (3, 3), (6, 2)]
+        assert [g.block_tables.tolist() for g in b.decodes][1] == [[6, 7], [8, 9], [10, 11]]
+    finally:
+        model_mod.GATHER_BYTES = old
 
 
 def check_paged_equals_dense(block_size, lens, seed):
