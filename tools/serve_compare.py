@@ -32,7 +32,9 @@ FIGURES = (("TTFT mean s", "ttft_mean_s", 1), ("TTFT p99 s", "ttft_p99_s", 1),
            ("goodput/s", "goodput_req_s", 1), ("tok/s", "throughput_tok_s", 1))
 
 
-def server_command(kind: str, args, port: int) -> tuple[list[str], dict]:
+def server_command(spec: str, args, port: int) -> tuple[list[str], dict]:
+    """`vllm`, or `ours-POLICY` and, optionally, more options for our server after it."""
+    kind, *extra = shlex.split(spec)
     threads = f"0-{(os.cpu_count() or 1) - 1}"
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": threads, "PYTHONPATH": ROOT,
                         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
@@ -44,12 +46,12 @@ def server_command(kind: str, args, port: int) -> tuple[list[str], dict]:
     return [sys.executable, "superinfer.py", "serve", "--model", args.ckpt, "--port", str(port),
             "--served-model-name", NAME, "--policy", kind.removeprefix("ours-"),
             "--num-device-blocks", str(blocks), "--ttft-slo", str(args.ttft_slo),
-            "--tbt-slo", str(args.tbt_slo)] + shlex.split(args.ours_args), env
+            "--tbt-slo", str(args.tbt_slo)] + shlex.split(args.ours_args) + extra, env
 
 
 def start(kind: str, args, port: int) -> subprocess.Popen:
     cmd, env = server_command(kind, args, port)
-    log = open(os.path.join(args.logs, f"{kind}.log"), "a")
+    log = open(os.path.join(args.logs, "_".join(shlex.split(kind)) + ".log"), "a")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     end = time.time() + 600
     while time.time() < end and proc.poll() is None:
@@ -107,7 +109,8 @@ def run_server(kind: str, args, k: int, rows: list[dict]) -> None:
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'server':<15}{'rate':>5} " + "".join(f"{name:>17}" for name, _, _ in FIGURES))
+    w = max([15] + [len(r["server"]) + 1 for r in rows])
+    print(f"\n{'server':<{w}}{'rate':>5} " + "".join(f"{name:>17}" for name, _, _ in FIGURES))
     for kind in dict.fromkeys(r["server"] for r in rows):
         for rate in sorted({r["rate"] for r in rows}):
             mine = [r for r in rows if r["server"] == kind and r["rate"] == rate]
@@ -117,14 +120,34 @@ def report(rows: list[dict]) -> None:
             for _, key, s in FIGURES:
                 xs = [r[key] * s for r in mine]
                 cells.append(f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})")
-            print(f"{kind:<15}{rate:5g} " + "".join(f"{c:>17}" for c in cells))
+            print(f"{kind:<{w}}{rate:5g} " + "".join(f"{c:>17}" for c in cells))
+
+
+def checked(ap: argparse.ArgumentParser, args) -> list[str]:
+    """Validate the options (a mistake is one line, before any server starts); the servers."""
+    try:
+        args.rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        ap.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
+    if min(args.rates) <= 0 or args.runs < 1 or args.seconds <= 0:
+        ap.error("--rates, --runs and --seconds must be positive")
+    if args.runs * len(args.rates) > WARM_UP or max(args.rates) * args.seconds > 1000:
+        ap.error(f"at most {WARM_UP} (round, rate) pairs of at most 1,000 requests each: every "
+                 "pair replays its own slice of the trace")
+    servers = [s.strip() for s in args.servers.split(",") if args.vllm_python or s != "vllm"]
+    bad = [s for s in servers if s != "vllm" and not s.startswith("ours-")]
+    if bad:
+        ap.error(f"--servers: {bad[0]!r} is neither vllm nor ours-POLICY [OPTIONS]")
+    return servers
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.serve_compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
-    ap.add_argument("--servers", default="vllm,ours-fcfs,ours-rotasched")
+    ap.add_argument("--servers", default="vllm,ours-fcfs,ours-rotasched",
+                    help="comma-separated; an entry ours-POLICY may carry options for our "
+                    "server: 'ours-fcfs,ours-fcfs --max-num-batched-tokens 2048'")
     ap.add_argument("--rates", default="1,2,4,6")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=40.0, help="of arrivals per rate")
@@ -139,16 +162,7 @@ def main(argv=None) -> None:
                     "CPU batch limits: '--max-num-seqs 128 --max-num-batched-tokens 2048'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    try:
-        args.rates = [float(r) for r in args.rates.split(",")]
-    except ValueError:
-        ap.error(f"--rates must be numbers separated by commas, got {args.rates!r}")
-    if min(args.rates) <= 0 or args.runs < 1 or args.seconds <= 0:
-        ap.error("--rates, --runs and --seconds must be positive")
-    if args.runs * len(args.rates) > WARM_UP or max(args.rates) * args.seconds > 1000:
-        ap.error(f"at most {WARM_UP} (round, rate) pairs of at most 1,000 requests each: every "
-                 "pair replays its own slice of the trace")
-    servers = [s for s in args.servers.split(",") if args.vllm_python or s != "vllm"]
+    servers = checked(ap, args)
     os.makedirs(args.logs, exist_ok=True)
     if not os.path.exists(os.path.join(args.ckpt, "model.safetensors")):
         from weights.loader import export_hf
