@@ -134,7 +134,8 @@ def checked(ap: argparse.ArgumentParser, args) -> list[str]:
     if args.runs * len(args.rates) > WARM_UP or max(args.rates) * args.seconds > 1000:
         ap.error(f"at most {WARM_UP} (round, rate) pairs of at most 1,000 requests each: every "
                  "pair replays its own slice of the trace")
-    servers = [s.strip() for s in args.servers.split(",") if args.vllm_python or s != "vllm"]
+    servers = [s for s in map(str.strip, args.servers.split(","))
+               if args.vllm_python or s != "vllm"]
     bad = [s for s in servers if s != "vllm" and not s.startswith("ours-")]
     if bad:
         ap.error(f"--servers: {bad[0]!r} is neither vllm nor ours-POLICY [OPTIONS]")
