@@ -400,19 +400,19 @@ class SyncStreams:
         return None
 
     def wait(self, stream: str, event) -> None:
-        pass
+        """Nothing to wait for: the copy ran when it was enqueued."""
 
     def wait_compute(self, stream: str) -> None:
-        pass
+        """Nothing to wait for: compute has finished when a copy is enqueued."""
 
     def compute_wait(self, event) -> None:
-        pass
+        """Nothing to wait for."""
 
     def done(self, event) -> bool:
         return True
 
     def synchronize(self) -> None:
-        pass
+        """Every copy has run."""
 
 
 class CudaStreams:

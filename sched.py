@@ -231,7 +231,12 @@ class RotaSched(Policy):
                  those may then start only if their whole prompt fits in the free room (rotating
                  no one out) and they are not yet due (lag < 0: waited under beta_f x S_TTFT):
                  short prompts pass a long one in a burst (which may wait longer); rotated-out
-                 requests still return in order. 0: strict, like the queues of vLLM.
+                 requests still return in order. 0: strict, like the queues of vLLM;
+      seats      1: a request may be rotated out for a candidate that waits only for a seat
+                 (max_num_seqs) or the token budget, its KV fitting in the free room; 0: only
+                 for one whose KV does not fit (the authors' scheduler swaps out only when free
+                 device blocks run low). Rotating for a seat time-slices a full batch: the
+                 candidate's first token for one long gap of the victim's.
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
@@ -241,13 +246,13 @@ class RotaSched(Policy):
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
               "stalls": float, "stall": float, "pick": str, "of": str, "out": str,
-              "backfill": float}
+              "backfill": float, "seats": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
-                 of: str = "admitted", out: str = "all", backfill: float = 1,
+                 of: str = "admitted", out: str = "all", backfill: float = 1, seats: float = 1,
                  duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
                            ("of", of), ("out", out)):
@@ -258,7 +263,7 @@ class RotaSched(Policy):
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
         self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
-        self.backfill = bool(backfill)
+        self.backfill, self.seats = bool(backfill), bool(seats)
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -293,6 +298,8 @@ class RotaSched(Policy):
     def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
         if c.status is Status.ROTARY and self.back != "rotate":
             return False
+        if not self.seats and s.bm.blocks_for(c.num_tokens) <= s.bm.num_free:
+            return False  # its KV fits: only a seat or the token budget holds it back
         return {"viable": self.viable(c, now), "due": self.lag(c, now) >= 0}.get(self.gate, True)
 
     def viable(self, c: Request, now: float) -> bool:

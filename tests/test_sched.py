@@ -53,7 +53,8 @@ workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1
                               st.integers(0, 2)), min_size=1, max_size=25)
 POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
                                    "rotasched:per-layer", "rotasched-released:per-layer",
-                                   "rotasched:backfill=0", "rotasched:back=free"]
+                                   "rotasched:backfill=0", "rotasched:back=free",
+                                   "rotasched:seats=0"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,6 +167,19 @@ def test_rotasched_rotates_the_longest_running_decode_for_a_new_request():
     assert plan.rotated_out == ["r1"] and plan.rotated_for == {"r1": "new"}
     assert plan.admitted == ["new"] and s.requests["r1"] not in plan.chunks
     assert s.bm.num_fenced == 1            # r1's dirty block waits for its copy to land
+
+
+@pytest.mark.parametrize("seats", [0, 1])
+def test_seats_0_rotates_only_for_kv_room(seats):
+    """With every seat taken (3 of 3), a short prompt whose KV fits in the 4 free blocks is
+    waiting for a seat only: seats=1 rotates for it, seats=0 does not; a 20-token prompt
+    (5 blocks) needs KV room and is rotated for either way."""
+    for prompt, rotates in ((4, bool(seats)), (20, True)):
+        s = rotation_setup(policy=f"rotasched:seats={seats}", prompt=prompt)
+        s.cfg.max_num_seqs = 3
+        plan = s.schedule(0.3)
+        assert (plan.rotated_out == ["r1"]) is rotates and bool(plan.admitted) is rotates
+        assert len(s.running) == 3
 
 
 def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():

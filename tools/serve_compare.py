@@ -110,7 +110,7 @@ def run_server(kind: str, args, k: int, rows: list[dict]) -> None:
 
 def report(rows: list[dict]) -> None:
     w = max([15] + [len(r["server"]) + 1 for r in rows])
-    print(f"\n{'server':<{w}}{'rate':>5} " + "".join(f"{name:>17}" for name, _, _ in FIGURES))
+    print(f"\n{'server':<{w}}{'rate':>5} " + "  ".join(f"{name:>18}" for name, _, _ in FIGURES))
     for kind in dict.fromkeys(r["server"] for r in rows):
         for rate in sorted({r["rate"] for r in rows}):
             mine = [r for r in rows if r["server"] == kind and r["rate"] == rate]
@@ -120,7 +120,7 @@ def report(rows: list[dict]) -> None:
             for _, key, s in FIGURES:
                 xs = [r[key] * s for r in mine]
                 cells.append(f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})")
-            print(f"{kind:<{w}}{rate:5g} " + "".join(f"{c:>17}" for c in cells))
+            print(f"{kind:<{w}}{rate:5g} " + "  ".join(f"{c:>18}" for c in cells))
 
 
 def checked(ap: argparse.ArgumentParser, args) -> list[str]:
