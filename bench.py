@@ -5,6 +5,8 @@
     python bench.py --policies fcfs,fcfs-swap,rotasched,rotasched-released,hf --plot r.png
     python bench.py --backend openai --base-url http://127.0.0.1:8000 --policies openai,rotasched
                                         a server (ours, vLLM, ...) and the engine here, one table
+    python bench.py --clock own         the policies' runs interleaved step by step, each on a
+                                        clock of its own: the machine's drifts fall on all alike
     python bench.py --speed             tokens/s next to HF transformers (tools/bench_speed.py)
 
 The run calibrates itself (unloaded latency gives the SLOs, a bulk run the saturation rate) and
@@ -48,39 +50,113 @@ DISTURBED = 0.15    # other processes using more of the CPUs than this during a 
 
 # ---------------------------------------------------------------- serving loops
 
+class WallClock:
+    """Online serving's clock: time passes whether or not the engine works; waiting sleeps."""
+    def __call__(self) -> float:
+        return time.perf_counter()
+
+    def run(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self()))
+
+
+class OwnClock:
+    """An engine's own clock for interleaved runs: it runs only while that engine steps, so a
+    run's timeline is its own steps' measured times, and waiting for an arrival jumps to it.
+    Steps of the runs interleave, so the machine's drifts in speed fall on all of them alike."""
+    def __init__(self):
+        self.t, self.since = 0.0, None
+
+    def __call__(self) -> float:
+        return self.t + (0.0 if self.since is None else time.perf_counter() - self.since)
+
+    def run(self) -> None:
+        self.since = time.perf_counter()
+
+    def pause(self) -> None:
+        self.t, self.since = self(), None
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+class Replay:
+    """One engine serving `items` at their arrival times on its clock; whatever
+    is unfinished `deadline` seconds after the start is aborted. advance() is one step or one
+    wait; serve() and serve_interleaved() drive it."""
+    def __init__(self, engine: Engine, items: list[Item], prompts: list[list[int]],
+                 deadline: float, clock=None, sync: bool = False):
+        self.engine, self.items, self.prompts, self.deadline = engine, items, prompts, deadline
+        self.clock = clock or WallClock()   # engine.clock, or one reading the same time
+        self.order = sorted(range(len(items)), key=lambda i: items[i].arrival)
+        self.t0 = self.clock() + 0.01
+        self.rids, self.nxt, self.busy, self.sync = [], 0, 0.0, sync
+
+    def advance(self) -> int | None:
+        """One step (returns the requests it finished) or a wait for the next arrival (0);
+        None when the run is over."""
+        e, order, clock = self.engine, self.order, self.clock
+        now = clock()
+        if now - self.t0 > self.deadline:
+            for rid in self.rids:
+                e.abort(rid)
+            return None
+        while self.nxt < len(order) and self.t0 + self.items[order[self.nxt]].arrival <= now:
+            i = order[self.nxt]
+            params = SamplingParams(max_tokens=self.items[i].output_len, temperature=0,
+                                    ignore_eos=True)
+            self.rids.append(e.add_request(self.prompts[i], params,
+                                           arrival_time=self.t0 + self.items[i].arrival))
+            self.nxt += 1
+        if e.has_unfinished():
+            now = clock()
+            clock.run()
+            done = sum(ev.finished for ev in e.step())
+            if self.sync:  # a device's work counts in the step that queued it
+                e.runner.synchronize()
+            clock.pause()
+            self.busy += clock() - now
+            return done
+        if self.nxt < len(order):
+            clock.wait_until(self.t0 + self.items[order[self.nxt]].arrival)
+            return 0
+        return None
+
+    def result(self) -> tuple[list, dict]:
+        outs = [self.engine.output(rid) for rid in self.rids]
+        records = [(o.metrics.arrival_time, o.metrics.token_times) for o in outs]
+        records += [(self.t0 + self.items[i].arrival, []) for i in self.order[len(self.rids):]]
+        stats = self.engine.stats()
+        unfinished = len(self.items) - sum(o.finish_reason == "length" for o in outs)
+        return records, stats | {"mean_step_ms": 1e3 * self.busy / max(1, stats["steps"]),
+                                 "unfinished": unfinished}
+
+
 def serve(engine: Engine, items: list[Item], prompts: list[list[int]], label: str,
           deadline: float = math.inf) -> tuple[list, dict]:
-    """Online serving: requests join the running engine at their arrival times (wall clock).
-    Whatever is unfinished `deadline` seconds after the start is aborted."""
-    order = sorted(range(len(items)), key=lambda i: items[i].arrival)
-    t0 = time.perf_counter() + 0.01
-    rids, nxt, busy = [], 0, 0.0
-    bar = progress(len(items), label)
-    while nxt < len(order) or engine.has_unfinished():
-        now = time.perf_counter()
-        if now - t0 > deadline:
-            for rid in rids:
-                engine.abort(rid)
-            break
-        while nxt < len(order) and t0 + items[order[nxt]].arrival <= now:
-            i = order[nxt]
-            params = SamplingParams(max_tokens=items[i].output_len, temperature=0, ignore_eos=True)
-            rids.append(engine.add_request(prompts[i], params, arrival_time=t0 + items[i].arrival))
-            nxt += 1
-        if engine.has_unfinished():
-            t = time.perf_counter()
-            bar.update(sum(ev.finished for ev in engine.step()))
-            busy += time.perf_counter() - t
-        elif nxt < len(order):
-            time.sleep(max(0.0, t0 + items[order[nxt]].arrival - time.perf_counter()))
+    """Online serving: requests join the running engine at their arrival times (wall clock)."""
+    return serve_interleaved([Replay(engine, items, prompts, deadline)], label)[0]
+
+
+def serve_interleaved(replays: list[Replay], label: str) -> list[tuple[list, dict]]:
+    """Run the replays step by step, always advancing the one whose clock is furthest behind
+    (with one replay: plain online serving); each one's (records, stats)."""
+    live = list(replays)
+    bar = progress(sum(len(r.items) for r in replays), label)
+    while live:
+        r = min(live, key=lambda x: x.clock() - x.t0)
+        done = r.advance()
+        if done is None:
+            live.remove(r)
+        else:
+            bar.update(done)
     bar.close()
-    outs = [engine.output(rid) for rid in rids]
-    records = [(o.metrics.arrival_time, o.metrics.token_times) for o in outs]
-    records += [(t0 + items[i].arrival, []) for i in order[len(rids):]]  # never arrived in time
-    stats = engine.stats()
-    unfinished = len(items) - sum(o.finish_reason == "length" for o in outs)
-    return records, stats | {"mean_step_ms": 1e3 * busy / max(1, stats["steps"]),
-                             "unfinished": unfinished}
+    return [r.result() for r in replays]
 
 
 def serve_hf(hf, cfg, items: list[Item], prompts: list[list[int]], label: str,
@@ -173,23 +249,44 @@ def calibrate(run, items, prompts, cfg, args) -> tuple[float, float, float]:
 
 # ---------------------------------------------------------------- the benchmark
 
+def new_engine(label: str, args, cfg, model, tok, runs: int, rate=None, clock=None) -> Engine:
+    """An engine for one run of policy `label` ('fcfs-swap#2' too), its schedule log named by
+    the run (tools/schedlog.py)."""
+    log = schedlog.log_name(args.log_base, label, rate, runs) if rate is not None else None
+    return Engine(replace(cfg, policy=policy_of(label), log_path=log), model, tok, clock=clock)
+
+
 def runner(pol: str, args, cfg, model, tok, hf, runs: int):
     """run(items, prompts, label, deadline, rate) -> (records, stats): one row of the table.
     `pol` may be a repeat's label, 'fcfs-swap#2' (policy_of)."""
-    label, pol = pol, policy_of(pol)
-
     def engine(items, prompts, text, deadline, rate=None):
-        log = schedlog.log_name(args.log_base, label, rate, runs) if rate is not None else None
-        e = Engine(replace(cfg, policy=pol, log_path=log), model, tok)
+        e = new_engine(pol, args, cfg, model, tok, runs, rate)
         try:
             return serve(e, items, prompts, text, deadline)
         finally:
             e.close()
-    if pol == "openai":
+    if policy_of(pol) == "openai":
         return lambda *a, rate=None: client.serve(args.base_url, args.served_model, *a)
-    if pol == "hf":
+    if policy_of(pol) == "hf":
         return lambda *a, rate=None: serve_hf(hf, cfg, *a)
     return engine
+
+
+def run_interleaved(labels: list[str], args, cfg, model, tok, runs: int, items, prompts,
+                    rate: float) -> list[tuple[list, dict]]:
+    """The engine runs of `labels` side by side on the same arrivals, step by step, each on its
+    own clock (OwnClock): what each run's timeline would be online, with the machine's speed
+    shared out evenly among them. On a GPU each step waits for its device work."""
+    clocks = [OwnClock() for _ in labels]
+    engines = [new_engine(p, args, cfg, model, tok, runs, rate, c) for p, c in zip(labels, clocks)]
+    sync = resolve_device(cfg.device).type != "cpu"
+    try:
+        return serve_interleaved([Replay(e, items, prompts, 2 * args.run_seconds, c, sync)
+                                  for e, c in zip(engines, clocks)],
+                                 f"{', '.join(labels)} @ {rate:.2f} req/s")
+    finally:
+        for e in engines:
+            e.close()
 
 
 def label_repeats(policies: list[str]) -> list[str]:
@@ -262,20 +359,36 @@ def run_serving(args, ap, results: list[dict]) -> None:
             print(f"repeat {k + 1}/{args.repeat}: {text}")
         for rate in rates:
             timed = with_rate(items[:n], rate)
-            for pol in args.policies:
-                run = runner(pol, args, cfg, model, tok, hf, runs)
-                mark = cpu_mark()
-                recs, stats = run(timed, prompts, f"{pol} @ {rate:.2f} req/s",
-                                  2 * args.run_seconds, rate=rate)
+            for pol, (recs, stats) in run_rate(args, cfg, model, tok, hf, runs, timed, prompts,
+                                               rate).items():
                 kind = policy_of(pol)
-                stats["other_cpu"] = None if kind == "openai" else other_cpu_share(mark)
                 results.append(base | row(pol, rate, recs, stats, ttft_slo, tbt_slo, args)
-                               | {"repeat": k, "seed": args.seed + k,
+                               | {"repeat": k, "seed": args.seed + k, "clock": args.clock,
                                   "trace_offset": args.trace_offset + k * args.num_requests})
                 if args.validate_sim and kind not in ("hf", "openai"):
                     results[-1]["sim"] = validate_row(results[-1], timed,
                                                       replace(cfg, policy=kind), kind)
             judge_speed(results[-len(args.policies):], args, runs)
+
+
+def run_rate(args, cfg, model, tok, hf, runs: int, items, prompts, rate: float) -> dict:
+    """{label: (records, stats)} of every policy's run on these arrivals, in --policies order:
+    one after the other on the wall clock, or (--clock own) the engine policies interleaved."""
+    together = [p for p in args.policies if args.clock == "own"
+                and policy_of(p) not in ("hf", "openai")]
+    out = {}
+    if together:
+        mark = cpu_mark()
+        res = run_interleaved(together, args, cfg, model, tok, runs, items, prompts, rate)
+        other = other_cpu_share(mark)
+        out = {p: (recs, stats | {"other_cpu": other}) for p, (recs, stats) in zip(together, res)}
+    for pol in [p for p in args.policies if p not in together]:
+        mark = cpu_mark()
+        recs, stats = runner(pol, args, cfg, model, tok, hf, runs)(
+            items, prompts, f"{pol} @ {rate:.2f} req/s", 2 * args.run_seconds, rate=rate)
+        stats["other_cpu"] = None if policy_of(pol) == "openai" else other_cpu_share(mark)
+        out[pol] = (recs, stats)
+    return {p: out[p] for p in args.policies}
 
 
 def judge_speed(rows: list[dict], args, runs: int) -> None:
@@ -374,6 +487,11 @@ def parse_args(argv):
     ap.add_argument("--run-seconds", type=float, default=50.0,
                     help="time target of a run: sizes the workload to about this much work and "
                          "cuts a run off at twice it (default 50)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "own"],
+                    help="wall: the policies' runs one after the other, each online on the wall "
+                         "clock; own: their steps interleaved, each run on its own clock that "
+                         "runs only while it steps, so the machine's drifts in speed fall on all "
+                         "alike (hf and openai rows still run on the wall clock)")
     add_workload_flags(ap)
     ap.add_argument("--pool-seqs", type=float, default=6.0,
                     help="without --num-device-blocks: a device pool of this many mean requests")

@@ -77,9 +77,10 @@ def test_real_trace_and_synthetic_arrivals():
     assert cv > 1.5  # gamma shape 0.25 has CV 2
 
 
-def test_tiny_end_to_end_json(tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "own"])
+def test_tiny_end_to_end_json(tmp_path, clock):
     out, log = tmp_path / "r.json", tmp_path / "s.jsonl"
-    bench.main(["--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
+    bench.main(["--clock", clock, "--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
                 "--rates", "8", "--policies", "fcfs,rotasched,fcfs",  # fcfs named twice
                 "--num-device-blocks", "4",
                 "--block-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
@@ -88,6 +89,7 @@ def test_tiny_end_to_end_json(tmp_path):
     assert [r["policy"] for r in rows] == ["fcfs", "rotasched", "fcfs#2"]   # so it runs twice
     for r in rows:
         assert set(bench.JSON_KEYS) <= set(r) and r["num_requests"] == 4 and r["rate"] == 8.0
+        assert r["clock"] == clock
         assert 0 <= r["ttft_attainment"] <= 1 and r["throughput_tok_s"] > 0
     logs = sorted(tmp_path.glob("s.*.jsonl"))
     assert [p.name for p in logs] == ["s.fcfs#2.8.jsonl", "s.fcfs.8.jsonl", "s.rotasched.8.jsonl"]
@@ -155,3 +157,50 @@ def test_a_policy_named_twice_runs_twice_and_the_verdict_gives_the_a_a_gap():
     assert "machine speed 1.000 and 1.010" in aa[0] and "30.0 points apart" in aa[1]
     # the repeat is the noise floor, not a second chance: the best is the first run's
     assert any("best rotating policy rotasched: TTFT attainment 60.0%" in x for x in lines)
+
+
+def test_own_clock_runs_only_while_its_engine_steps(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    c = bench.OwnClock()
+    now[0] += 5          # another run's step: this clock stands still
+    assert c() == 0.0
+    c.run()
+    now[0] += 0.25       # its own step
+    assert c() == 0.25
+    c.pause()
+    now[0] += 3
+    assert c() == 0.25
+    c.wait_until(2.0)    # idle until the next arrival: a jump, not a sleep
+    c.wait_until(1.0)    # never back
+    assert c() == 2.0
+
+
+def test_interleaved_runs_share_the_machine_each_on_its_own_clock():
+    from conftest import tiny_pair
+    from superinfer import Engine, EngineConfig
+    model, _ = tiny_pair(seed=3, vocab=101, hidden=32, heads=4, kv_heads=2)
+    items = [bench.Item(0.0, 6 + i, 12) for i in range(6)]
+    prompts = [[(5 * i + j) % 101 for j in range(it.prompt_len)] for i, it in enumerate(items)]
+    clocks = [bench.OwnClock() for _ in range(2)]
+    engines = [Engine(EngineConfig(policy=p, block_size=4, num_device_blocks=12,
+                                   num_host_blocks=64, max_num_seqs=4, max_num_batched_tokens=16),
+                      model, None, clock=c) for p, c in zip(("fcfs", "rotasched"), clocks)]
+    order = []
+    for k, e in enumerate(engines):   # who steps when
+        e.step = (lambda step, k: lambda: order.append(k) or step())(e.step, k)
+    t = bench.time.perf_counter()
+    (ra, sa), (rb, sb) = bench.serve_interleaved(
+        [bench.Replay(e, items, prompts, 60.0, c) for e, c in zip(engines, clocks)], "test")
+    wall = bench.time.perf_counter() - t
+    assert sa["unfinished"] == sb["unfinished"] == 0 and sa["steps"] > 5 and sb["steps"] > 5
+    for recs in (ra, rb):
+        assert all(len(times) == 12 and times[0] >= arrival for arrival, times in recs)
+    # each run's timeline is its own steps only: together no longer than the wall time, and
+    # the runs alternate (the one whose clock is behind steps next), so neither is starved
+    spans = [max(t[-1] for _, t in recs) - min(a for a, _ in recs) for recs in (ra, rb)]
+    assert sum(spans) <= wall and min(spans) > 0.25 * wall
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert switches >= min(order.count(0), order.count(1)) - 1
+    for e in engines:
+        e.close()
