@@ -236,26 +236,31 @@ class RotaSched(Policy):
                  (max_num_seqs) or the token budget, its KV fitting in the free room; 0: only
                  for one whose KV does not fit (the authors' scheduler swaps out only when free
                  device blocks run low). Rotating for a seat time-slices a full batch: the
-                 candidate's first token for one long gap of the victim's.
+                 candidate's first token for one long gap of the victim's;
+      order      "lag": new requests by virtual lag (the paper's LVF: the most overdue first);
+                 "viable": those that can still meet their TTFT SLO before those that cannot,
+                 each by lag: more first tokens on time under overload, but a request already
+                 late waits while the others can make it (a longer TTFT tail).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
     CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("fifo", "free", "rotate"),
-               "gate": ("any", "due", "viable"), "pick": ("lag", "last"),
-               "of": ("admitted", "generated"), "out": ("all", "stalled")}
+               "gate": ("any", "due", "viable"), "pick": ("lag", "last"), "of": ("admitted",
+               "generated"), "out": ("all", "stalled"), "order": ("lag", "viable")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
               "stalls": float, "stall": float, "pick": str, "of": str, "out": str,
-              "backfill": float, "seats": float}
+              "backfill": float, "seats": float, "order": str}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
                  of: str = "admitted", out: str = "all", backfill: float = 1, seats: float = 1,
-                 duplex: bool = True, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+                 order: str = "lag", duplex: bool = True, ttft_slo: float = 5.0,
+                 tbt_slo: float = 0.1):
         for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
-                           ("of", of), ("out", out)):
+                           ("of", of), ("out", out), ("order", order)):
             if value not in self.CHOICES[key]:
                 raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
                                  f"got {value!r}")
@@ -263,7 +268,7 @@ class RotaSched(Policy):
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
         self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
-        self.backfill, self.seats = bool(backfill), bool(seats)
+        self.backfill, self.seats, self.order = bool(backfill), bool(seats), order
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -281,7 +286,8 @@ class RotaSched(Policy):
         return lag if r.status is Status.RUNNING else max(0.0, lag)
 
     def rank(self, r, now):
-        return (-self.vlt(r, now), r.arrival, r.seq)
+        late = self.order == "viable" and not self.viable(r, now)
+        return (late, -self.vlt(r, now), r.arrival, r.seq)
 
     def queues(self, s, plan, now):
         queued = s.waiting + s.rotary
