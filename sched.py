@@ -240,35 +240,37 @@ class RotaSched(Policy):
       order      "lag": new requests by virtual lag (the paper's LVF: the most overdue first);
                  "viable": those that can still meet their TTFT SLO before those that cannot,
                  each by lag: more first tokens on time under overload, but a request already
-                 late waits while the others can make it (a longer TTFT tail).
+                 late waits while the others can make it (a longer TTFT tail);
+      patience   with order=viable, a late request waits behind the others only until it has
+                 waited this many TTFT SLOs, then takes its place by lag again (0 = no limit).
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
     CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("fifo", "free", "rotate"),
-               "gate": ("any", "due", "viable"), "pick": ("lag", "last"), "of": ("admitted",
-               "generated"), "out": ("all", "stalled"), "order": ("lag", "viable")}
+               "gate": ("any", "due", "viable"), "pick": ("lag", "last"), "out": ("all", "stalled"),
+               "of": ("admitted", "generated"), "order": ("lag", "viable")}
     PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
               "stalls": float, "stall": float, "pick": str, "of": str, "out": str,
-              "backfill": float, "seats": float, "order": str}
+              "backfill": float, "seats": float, "order": str, "patience": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
                  alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
                  of: str = "admitted", out: str = "all", backfill: float = 1, seats: float = 1,
-                 order: str = "lag", duplex: bool = True, ttft_slo: float = 5.0,
-                 tbt_slo: float = 0.1):
-        for key, value in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
-                           ("of", of), ("out", out), ("order", order)):
-            if value not in self.CHOICES[key]:
-                raise ValueError(f"{key} must be one of {', '.join(self.CHOICES[key])}, "
-                                 f"got {value!r}")
+                 order: str = "lag", patience: float = 0, duplex: bool = True,
+                 ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+        for k, v in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
+                     ("of", of), ("out", out), ("order", order)):
+            if v not in self.CHOICES[k]:
+                raise ValueError(f"{k} must be one of {', '.join(self.CHOICES[k])}, got {v!r}")
         self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
         self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
         self.backfill, self.seats, self.order = bool(backfill), bool(seats), order
+        self.patience = patience
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -286,7 +288,8 @@ class RotaSched(Policy):
         return lag if r.status is Status.RUNNING else max(0.0, lag)
 
     def rank(self, r, now):
-        late = self.order == "viable" and not self.viable(r, now)
+        late = self.order == "viable" and not self.viable(r, now) and not (  # late, not too late
+            self.patience and now - r.arrival >= self.patience * (r.ttft_slo or self.ttft_slo))
         return (late, -self.vlt(r, now), r.arrival, r.seq)
 
     def queues(self, s, plan, now):

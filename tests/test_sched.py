@@ -54,7 +54,8 @@ workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1
 POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
                                    "rotasched:per-layer", "rotasched-released:per-layer",
                                    "rotasched:backfill=0", "rotasched:back=free",
-                                   "rotasched:seats=0", "rotasched:order=viable"]
+                                   "rotasched:seats=0", "rotasched:order=viable",
+                                   "rotasched:order=viable,patience=2"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -182,11 +183,13 @@ def test_seats_0_rotates_only_for_kv_room(seats):
         assert len(s.running) == 3
 
 
-@pytest.mark.parametrize("order,first", [("lag", "new"), ("viable", "fresh")])
+@pytest.mark.parametrize("order,first", [("lag", "new"), ("viable", "fresh"),
+                                         ("viable,patience=10", "fresh"),
+                                         ("viable,patience=4", "new")])
 def test_order_viable_serves_requests_that_can_still_meet_their_ttft_slo_first(order, first):
-    """"new" arrived 5 s ago (past its 1 s TTFT SLO); "fresh", as long, 0.1 s ago. Room for one
+    """"new" arrived 5.3 s ago (past its 1 s TTFT SLO); "fresh", as long, 0.1 s ago. Room for one
     (r1 rotated out): the paper's LVF takes the largest lag, order=viable the one that can still
-    make it."""
+    make it, unless the late one has waited `patience` TTFT SLOs."""
     s = rotation_setup(policy=f"rotasched:stalls=0,order={order}", arrival=-5.0)
     s.add(Request("fresh", 20, 4, 0.2))
     plan = s.schedule(0.3)
