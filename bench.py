@@ -277,10 +277,11 @@ def run_interleaved(labels: list[str], args, cfg, model, tok, runs: int, items, 
     """The engine runs of `labels` side by side on the same arrivals, step by step, each on its
     own clock (OwnClock): what each run's timeline would be online, with the machine's speed
     shared out evenly among them. On a GPU each step waits for its device work."""
-    clocks = [OwnClock() for _ in labels]
-    engines = [new_engine(p, args, cfg, model, tok, runs, rate, c) for p, c in zip(labels, clocks)]
+    clocks, engines = [OwnClock() for _ in labels], []
     sync = resolve_device(cfg.device).type != "cpu"
-    try:
+    try:  # each engine is closed, however far this got
+        for p, c in zip(labels, clocks):
+            engines.append(new_engine(p, args, cfg, model, tok, runs, rate, c))
         return serve_interleaved([Replay(e, items, prompts, 2 * args.run_seconds, c, sync)
                                   for e, c in zip(engines, clocks)],
                                  f"{', '.join(labels)} @ {rate:.2f} req/s")
