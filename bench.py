@@ -86,9 +86,9 @@ class OwnClock:
 
 
 class Replay:
-    """One engine serving `items` at their arrival times on its clock; whatever
-    is unfinished `deadline` seconds after the start is aborted. advance() is one step or one
-    wait; serve() and serve_interleaved() drive it."""
+    """One engine serving `items` at their arrival times on its clock; whatever is unfinished
+    `deadline` seconds after the start is aborted. advance() is one step or one wait;
+    serve() and serve_interleaved() drive it."""
     def __init__(self, engine: Engine, items: list[Item], prompts: list[list[int]],
                  deadline: float, clock=None, sync: bool = False):
         self.engine, self.items, self.prompts, self.deadline = engine, items, prompts, deadline

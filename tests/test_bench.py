@@ -80,7 +80,8 @@ def test_real_trace_and_synthetic_arrivals():
 @pytest.mark.parametrize("clock", ["wall", "own"])
 def test_tiny_end_to_end_json(tmp_path, clock):
     out, log = tmp_path / "r.json", tmp_path / "s.jsonl"
-    bench.main(["--clock", clock, "--trace", "none", "--num-requests", "4", "--input-lens", "8,16", "--output-lens", "3",
+    bench.main(["--clock", clock, "--trace", "none", "--num-requests", "4",
+                "--input-lens", "8,16", "--output-lens", "3",
                 "--rates", "8", "--policies", "fcfs,rotasched,fcfs",  # fcfs named twice
                 "--num-device-blocks", "4",
                 "--block-size", "8", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
