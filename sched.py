@@ -185,7 +185,9 @@ class FcfsSwap(Policy):
 
 
 class RotaSched(Policy):
-    """The paper's RotaSched: Largest-Virtual-Lag-First with DuplexKV.
+    """The paper's RotaSched: Largest-Virtual-Lag-First with DuplexKV. By default (ours, `order`
+    below) the new requests that can still meet their TTFT SLO go first, each group by lag;
+    order=lag is the paper's order.
 
     Virtual lag (seconds behind the SLO-derived bound; running requests are negative):
         waiting  now - arrival     - beta_f * S_TTFT
@@ -238,11 +240,12 @@ class RotaSched(Policy):
                  device blocks run low). Rotating for a seat time-slices a full batch: the
                  candidate's first token for one long gap of the victim's;
       order      "lag": new requests by virtual lag (the paper's LVF: the most overdue first);
-                 "viable": those that can still meet their TTFT SLO before those that cannot,
-                 each by lag: more first tokens on time under overload, but a request already
-                 late waits while the others can make it (a longer TTFT tail);
+                 "viable" (default): those that can still meet their TTFT SLO before those
+                 that cannot, each by lag: more first tokens on time under overload, but a
+                 request already late waits while the others can make it (a longer TTFT tail);
       patience   with order=viable, a late request waits behind the others only until it has
-                 waited this many TTFT SLOs, then takes its place by lag again (0 = no limit).
+                 waited this many TTFT SLOs, then takes its place by lag again (0 = no limit):
+                 the bound on that tail.
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
@@ -259,7 +262,7 @@ class RotaSched(Policy):
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
                  of: str = "admitted", out: str = "all", backfill: float = 1, seats: float = 1,
-                 order: str = "lag", patience: float = 0, duplex: bool = True,
+                 order: str = "viable", patience: float = 8, duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for k, v in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
                      ("of", of), ("out", out), ("order", order)):

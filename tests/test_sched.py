@@ -54,7 +54,8 @@ workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1
 POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
                                    "rotasched:per-layer", "rotasched-released:per-layer",
                                    "rotasched:backfill=0", "rotasched:back=free",
-                                   "rotasched:seats=0", "rotasched:order=viable",
+                                   "rotasched:seats=0", "rotasched:order=lag",
+                                   "rotasched:order=viable,patience=0",
                                    "rotasched:order=viable,patience=2"]
 
 
@@ -183,14 +184,15 @@ def test_seats_0_rotates_only_for_kv_room(seats):
         assert len(s.running) == 3
 
 
-@pytest.mark.parametrize("order,first", [("lag", "new"), ("viable", "fresh"),
-                                         ("viable,patience=10", "fresh"),
-                                         ("viable,patience=4", "new")])
+@pytest.mark.parametrize("order,first", [("order=lag", "new"), ("order=viable,patience=0", "fresh"),
+                                         ("order=viable,patience=10", "fresh"),
+                                         ("order=viable,patience=4", "new"),
+                                         ("", "fresh")])  # the default: viable, patience 8
 def test_order_viable_serves_requests_that_can_still_meet_their_ttft_slo_first(order, first):
     """"new" arrived 5.3 s ago (past its 1 s TTFT SLO); "fresh", as long, 0.1 s ago. Room for one
     (r1 rotated out): the paper's LVF takes the largest lag, order=viable the one that can still
     make it, unless the late one has waited `patience` TTFT SLOs."""
-    s = rotation_setup(policy=f"rotasched:stalls=0,order={order}", arrival=-5.0)
+    s = rotation_setup(policy=f"rotasched:stalls=0,{order}", arrival=-5.0)
     s.add(Request("fresh", 20, 4, 0.2))
     plan = s.schedule(0.3)
     assert plan.admitted == [first] and plan.rotated_for == {"r1": first}
@@ -210,8 +212,9 @@ def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():
     assert plan.admitted[0] == "new" and plan.rotated_for["r1"] == "new"
     # "new" is past its TTFT SLO, so gate=viable rotates no one out for it; "mid" could rotate
     # r1 out, but behind a passed-over head only free room may be used: "short" fits in it
-    for spec, started in (("rotasched:gate=viable,stalls=0,backfill=0", []),
-                          ("rotasched:gate=viable,stalls=0", ["short"])):
+    # (order=lag keeps the late "new" at the head; order=viable would put "mid" first)
+    for spec, started in (("rotasched:gate=viable,stalls=0,backfill=0,order=lag", []),
+                          ("rotasched:gate=viable,stalls=0,order=lag", ["short"])):
         s = rotation_setup(policy=spec, arrival=-5.0)
         s.add(Request("mid", 20, 4, 0.1))
         s.add(Request("short", 4, 4, 0.2))
