@@ -205,3 +205,22 @@ def test_interleaved_runs_share_the_machine_each_on_its_own_clock():
     assert switches >= min(order.count(0), order.count(1)) - 1
     for e in engines:
         e.close()
+
+
+def test_calibration_takes_the_median_of_three_unloaded_runs(capsys):
+    """One slow unloaded run (a cold first step) must not set the SLOs: the median does."""
+    from argparse import Namespace
+    from workload.trace import Item
+    unloaded = iter([(0.0, [0.8, 1.0, 1.2]), (0.0, [0.1, 0.15, 0.2]), (0.0, [0.12, 0.16, 0.2])])
+
+    def run(items, prompts, label, deadline):
+        if label == "unloaded latency":
+            return [next(unloaded)], None
+        return [(0.0, [0.1 * (k + 1)]) for k in range(len(items))], None   # warm-up, bulk
+    args = Namespace(run_seconds=10, ttft_slo=None, tbt_slo=None, ttft_slo_factor=10,
+                     tbt_slo_factor=5, model="tiny", policies="fcfs")
+    cfg = Namespace(max_num_seqs=2)
+    ttft, tbt, sat = bench.calibrate(run, [Item(0.0, 8, 4)] * 4, [[1] * 8] * 4, cfg, args)
+    assert ttft == pytest.approx(1.2) and tbt == pytest.approx(0.25)   # 10 x 0.12 s, 5 x 50 ms
+    assert sat == pytest.approx(4 / 0.4)
+    assert "median of 3" in capsys.readouterr().out
