@@ -165,3 +165,11 @@ def frontier_of_the_sweep(folder, capsys):
     assert any(ln.startswith(frontier.CPU) and " rotasched " in ln for ln in lines)
     with pytest.raises(SystemExit):
         frontier.main(["--dir", str(folder / "none")])
+
+
+def test_the_frontier_plot_labels_the_variants_no_other_beats_on_both_axes():
+    from tools.frontier import undominated
+    pts = {"a": {"gain": 10, "p99": 1.0}, "b": {"gain": 5, "p99": 2.0},   # b: a beats it
+           "c": {"gain": 20, "p99": 3.0}, "d": {"gain": 10, "p99": 1.0},  # d ties a: both stay
+           "e": {"gain": 20, "p99": 3.5}}                                  # e: c beats it
+    assert undominated(pts) == {"a", "c", "d"}

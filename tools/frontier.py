@@ -97,19 +97,30 @@ def cpu_points(variants: list[str], bench_json: str, slices: int, flops: float) 
             for v, p in per.items()}
 
 
+def undominated(variants: dict[str, dict]) -> set[str]:
+    """The variants no other beats on both axes (as much gain or more at as low a p99 or lower,
+    better on one): the frontier the plot labels."""
+    def beats(b, a):
+        return b["gain"] >= a["gain"] and b["p99"] <= a["p99"] and (
+            b["gain"], b["p99"]) != (a["gain"], a["p99"])
+    return {v for v, a in variants.items() if not any(beats(b, a) for b in variants.values())}
+
+
 def plot(points: dict[str, dict[str, dict]], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(points), figsize=(4.2 * len(points), 4.6), squeeze=False)
     for ax, (setting, variants) in zip(axes[0], points.items()):
+        labelled = undominated(variants) | {"rotasched"}
         for v, sc in variants.items():
             kept = not sc["harms"]
             ax.scatter(sc["p99"], sc["gain"], marker="o" if v == "rotasched" else "s",
                        facecolors="tab:green" if kept else "none",
                        edgecolors="tab:green" if kept else "tab:red", s=60)
-            ax.annotate(v.partition(":")[2] or "default", (sc["p99"], sc["gain"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+            if v in labelled:
+                ax.annotate(v.partition(":")[2] or "default", (sc["p99"], sc["gain"]),
+                            fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.axvline(2.0, color="grey", linestyle=":")
         ax.set_xscale("log")
         ax.set_xlabel("worst TBT p99 / fcfs's")
@@ -117,7 +128,8 @@ def plot(points: dict[str, dict[str, dict]], path: str) -> None:
         ax.set_title(setting, fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle("RotaSched variants: filled = every do-no-harm rule holds (every rate, or on "
-                 "the CPU every slice); circle = the default", fontsize=9)
+                 "the CPU every slice); circle = the default; labelled: the default and those "
+                 "no other beats on both axes (all: frontier.json)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
