@@ -16,9 +16,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-# oneDNN-packed CPU weights (Linear below); PACK_WEIGHTS = False keeps F.linear's plain path
-PACKABLE = (torch.float32,) + ((torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                               else ())
+# oneDNN-packed CPU weights (Linear below); PACK_WEIGHTS = False keeps F.linear's plain path.
+# WIDEN_BF16: a CPU without bf16 instructions (AVX2) runs a bf16 GEMM 5-10x slower than fp32,
+# so there bf16 weights are packed widened to fp32 (the same values) and multiplied in fp32:
+# products summed in fp32 and rounded to bf16, as a native bf16 GEMM does
+PACKABLE = (torch.float32, torch.bfloat16)
+WIDEN_BF16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 PACK_WEIGHTS = torch.backends.mkldnn.is_available()
 
 
@@ -228,7 +231,8 @@ class Linear(nn.Linear):
     into oneDNN's blocked layout (what torch.compile's CPU backend does; F.linear re-reads the
     plain layout every call): 1.2-2.4x faster fp32 GEMMs at decode's row counts. oneDNN keeps
     state per input shape, so rows are padded to few counts (padded_rows); the packed copy is
-    rebuilt when the weight changes. Costs a second copy of the weights."""
+    rebuilt when the weight changes. Costs a second copy of the weights (in fp32 where bf16
+    weights are widened, WIDEN_BF16 above)."""
     packed: Tensor | None = None
     packed_of: tuple = ()
 
@@ -237,13 +241,16 @@ class Linear(nn.Linear):
         if (x.dim() != 2 or x.device.type != "cpu" or x.dtype not in PACKABLE or self.bias
                 is not None or not torch.is_inference_mode_enabled() or not PACK_WEIGHTS):
             return F.linear(x, w, self.bias)
-        key = (w.data_ptr(), w._version, w.dtype, w.shape)
+        key, dtype = (w.data_ptr(), w._version, w.dtype, w.shape), x.dtype
         if self.packed_of != key:
-            self.packed, self.packed_of = torch.ops.mkldnn._reorder_linear_weight(w, 32), key
+            wide = w.float() if w.dtype == torch.bfloat16 and WIDEN_BF16 else w
+            self.packed, self.packed_of = torch.ops.mkldnn._reorder_linear_weight(wide, 32), key
         m, rows = x.shape[0], padded_rows(x.shape[0])
+        x = x.to(self.packed.dtype)
         if rows != m:
             x = F.pad(x, (0, 0, 0, rows - m))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")[:m]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return out[:m].to(dtype)
 
 
 class Attention(nn.Module):

@@ -392,18 +392,15 @@ class RotaSchedReleased(Policy):
     def before_run(self, s, plan, now):
         bm = s.bm
         budget = s.cfg.xfer_budget if s.cfg.swap_watermark is None else s.cfg.swap_watermark
-        if s.fits_all(s.running + s.waiting + s.rotary):
-            return
-        if bm.usage("host") >= 0.95 or bm.num_free >= budget:
+        if (s.fits_all(s.running + s.waiting + s.rotary) or bm.usage("host") >= 0.95
+                or bm.num_free >= budget):
             return
         freed = 0
         for v in sorted(s.running, key=lambda v: (v.t_admitted, v.seq)):
             if v.num_tokens - v.num_computed != 1 or not v.tokens_since_admit:
                 continue  # a decode, and (ours) one that has run since it was swapped in
             n = len(bm.block_table(v.rid))
-            if freed + n >= budget:
-                break
-            if bm.swap_out_effect(v.rid).host_need > bm.host.num_free:
+            if freed + n >= budget or bm.swap_out_effect(v.rid).host_need > bm.host.num_free:
                 break
             freed += n
             s.rotate_out(plan, v, proactive=True)

@@ -350,6 +350,26 @@ def test_padded_rows_bounds_the_padding_and_the_shapes(m):
 
 
 @pytest.mark.skipif(not model_mod.PACK_WEIGHTS, reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("widen", [False, True])
+def test_bf16_linear_widened_to_fp32_gives_the_bf16_gemm(monkeypatch, widen):
+    """Where the CPU has no bf16 GEMM the bf16 weights are packed as fp32 and multiplied in fp32:
+    bf16 in, bf16 out, the products of the same bf16 values summed in fp32."""
+    if not widen and model_mod.WIDEN_BF16:
+        pytest.skip("this CPU has no native bf16 GEMM")
+    monkeypatch.setattr(model_mod, "WIDEN_BF16", widen)
+    torch.manual_seed(0)
+    lin = model_mod.Linear(256, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(9, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = lin(x)
+    exact = torch.nn.functional.linear(x.double(), lin.weight.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 96)
+    assert lin.packed.dtype == (torch.float32 if widen else torch.bfloat16)
+    # within bf16's rounding of the exact sum (2^-8 relative), plus fp32 summation error
+    assert torch.allclose(out.double(), exact, rtol=2 ** -8, atol=1e-4)
+
+
+@pytest.mark.skipif(not model_mod.PACK_WEIGHTS, reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("dtype", model_mod.PACKABLE)
 def test_packed_linear_matches_f_linear_and_follows_weight_changes(dtype):
     torch.manual_seed(0)

@@ -22,6 +22,7 @@ import time
 import torch
 
 from kv import DuplexCopier, KVPools, block_bytes, copy_merged, copy_per_layer
+import model as model_mod
 from model import Seq, make_batch
 from superinfer import Engine, EngineConfig, Parser, SamplingParams
 from weights.loader import build_model, embedded_gguf_path, hf_reference, read_gguf
@@ -206,7 +207,8 @@ def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
                  chunk * (chunk + 1) // 2, chunk * kv_tok)):
             wall, ops = op_split(fn)
             flops = 2 * body * tokens + 2 * head * logits + attn_tok * pairs
-            nbytes = (body + head * bool(logits)) * size + kv_read
+            wsize = 4 if dtype == torch.bfloat16 and model_mod.WIDEN_BF16 else size  # packed
+            nbytes = (body + head * bool(logits)) * wsize + kv_read
             split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(ops.items(),
                                                                      key=lambda kv: -kv[1]))
             print(f"  {name} {label}: {1e3 * wall:.1f} ms; {flops / 1e9:.1f} GFLOP "
