@@ -122,11 +122,6 @@ class BlockManager:
         """Device blocks that can be handed out now."""
         return self.device.num_free
 
-    @property
-    def num_fenced(self) -> int:
-        """Device blocks that become free when the copies reading them land."""
-        return len(self.fenced)
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -557,7 +557,7 @@ class Scheduler:
         """Free device blocks for r's next n tokens, preempting the policy's victims if needed."""
         need = self.bm.new_blocks_needed(r.rid, n)
         while need > self.bm.num_free:
-            if need <= self.bm.num_free + self.bm.num_fenced:
+            if need <= self.bm.num_free + len(self.bm.fenced):
                 return False  # copies in flight will free the room: wait a step
             victim = self.policy.victim(self, r, now)
             self._preempt(plan, victim, now)

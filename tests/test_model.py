@@ -66,23 +66,25 @@ def test_logits_match_hf_prefill_and_decode(kv_heads, tied, rope, vocab, head_di
 @settings(max_examples=25, deadline=None)
 @given(block_size=st.integers(1, 9), lens=st.lists(st.integers(1, 20), min_size=1, max_size=5),
        seed=st.integers(0, 2**16), group_cost=st.sampled_from([0, 1, 16]),
-       gather_bytes=st.sampled_from([0, 1 << 12, 4 << 20]))
+       gather_bytes=st.sampled_from([0, 1 << 12, 4 << 20]), gather_min=st.sampled_from([1, 2]))
 def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, seed, group_cost,
-                                                           gather_bytes):
+                                                           gather_bytes, gather_min):
     """Many sequences in one flat batch, scattered over permuted blocks, equal each run densely,
     whichever groups the decodes are split into (cost 0: one group per distinct width) and
-    however the groups are sliced to bound the bytes they gather (0: one sequence a slice)."""
-    old = model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES
+    however the groups are sliced to bound the bytes they gather (0: GATHER_MIN a slice)."""
+    old = model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES, model_mod.GATHER_MIN
     model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES = group_cost, gather_bytes
+    model_mod.GATHER_MIN = gather_min
     try:
         check_paged_equals_dense(block_size, lens, seed)
     finally:
-        model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES = old
+        model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES, model_mod.GATHER_MIN = old
 
 
 def test_decode_groups_are_sliced_to_the_gather_bound():
-    """On the CPU a group whose K/V copy would exceed GATHER_BYTES a layer runs in slices that
-    cover its rows in order, each within the bound (one sequence at least)."""
+    """On the CPU a group whose K/V copy would exceed GATHER_BYTES a layer runs in as few slices
+    within the bound as it takes (GATHER_MIN sequences if fewer fit), which cover its rows in
+    order, their sizes within one of each other."""
     ours, _ = tiny_pair(seed=1)
     pool = torch.zeros(40, *ours.kv_block_shape(4))
     per_seq = 2 * pool[0, 0].nbytes  # two blocks of context each
@@ -91,8 +93,15 @@ def test_decode_groups_are_sliced_to_the_gather_bound():
         b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(8)], 4)
         assert [(g.row, g.length) for g in b.decodes] == [(0, 8)]
         ours(b, pool)
-        assert [(g.row, g.length) for g in b.decodes] == [(0, 3), (3, 3), (6, 2)]
-        assert [g.block_tables.tolist() for g in b.decodes][1] == [[6, 7], [8, 9], [10, 11]]
+        assert [(g.row, g.length) for g in b.decodes] == [(0, 2), (2, 3), (5, 3)]
+        assert [g.block_tables.tolist() for g in b.decodes][1] == [[4, 5], [6, 7], [8, 9]]
+        b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(7)], 4)
+        ours(b, pool)   # 7 in slices of 3 at most: 2, 2, 3, not 3, 3, 1
+        assert [(g.row, g.length) for g in b.decodes] == [(0, 2), (2, 2), (4, 3)]
+        model_mod.GATHER_BYTES = per_seq // 2  # not one sequence fits: GATHER_MIN (2) a slice
+        b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(6)], 4)
+        ours(b, pool)
+        assert [g.length for g in b.decodes] == [2, 2, 2] and model_mod.GATHER_MIN == 2
     finally:
         model_mod.GATHER_BYTES = old
 

@@ -56,7 +56,7 @@ def simulate(sched: Scheduler, requests: list[Request], step_time: Callable[[Ste
                 now = max(now, pending[i].arrival)
             continue
         plan = sched.schedule(now)
-        if not (plan.chunks or plan.blocks_moved or plan.rotated_in or sched.bm.num_fenced):
+        if not (plan.chunks or plan.blocks_moved or plan.rotated_in or sched.bm.fenced):
             sched.update(plan, {}, now)
             if i == len(pending):
                 raise Stuck(f"step {steps}: nothing scheduled, {len(sched.waiting)} waiting, "
