@@ -188,6 +188,7 @@ def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
     for name, model in models.items():
         cfg, dtype = model.cfg, model.embed.weight.dtype
         size = torch.finfo(dtype).bits // 8
+        wsize = 4 if dtype == torch.bfloat16 and model_mod.WIDEN_BF16 else size  # packed weights
         params = sum(p.numel() for p in model.parameters())
         head = model.lm_head.weight.numel()  # the embedding is a lookup; the head runs per logit
         body = params - model.embed.weight.numel() - head * (model.lm_head.weight
@@ -207,7 +208,6 @@ def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
                  chunk * (chunk + 1) // 2, chunk * kv_tok)):
             wall, ops = op_split(fn)
             flops = 2 * body * tokens + 2 * head * logits + attn_tok * pairs
-            wsize = 4 if dtype == torch.bfloat16 and model_mod.WIDEN_BF16 else size  # packed
             nbytes = (body + head * bool(logits)) * wsize + kv_read
             split = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(ops.items(),
                                                                      key=lambda kv: -kv[1]))
