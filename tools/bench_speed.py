@@ -293,19 +293,24 @@ def bench_gemm(rows=(1, 32, 256)) -> None:
               "w2": (cfg.intermediate_size, cfg.hidden_size),
               "lm_head": (cfg.hidden_size, cfg.vocab_size)}
     dnn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    print(f"{'weight':<9}{'dtype':>6}{'rows':>6}{'F.linear ms':>13}{'oneDNN ms':>11}"
-          f"{'speed-up':>10}{'max |diff|':>12}")
+    # without bf16 instructions oneDNN has no bf16 inner product here (model.WIDEN_BF16)
+    dtypes = (torch.float32,) + (() if model_mod.WIDEN_BF16 else (torch.bfloat16,))
+    print(f"{'weight':<9}{'dtype':>9}{'rows':>6}{'F.linear ms':>13}{'oneDNN ms':>11}"
+          f"{'packed ms':>11}{'GFLOP/s':>9}{'speed-up':>10}{'max |diff|':>12}")
     with torch.inference_mode():
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             for name, (k, n) in shapes.items():
                 w = torch.randn(n, k, dtype=dtype) * 0.02
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)  # as model.Linear does
                 for m in rows:
                     x = torch.randn(m, k, dtype=dtype)
                     a = best_time(lambda: F.linear(x, w), 10)
                     b = best_time(lambda: dnn(x, w), 10)
-                    diff = (dnn(x, w) - F.linear(x, w)).abs().max().item()
-                    print(f"{name:<9}{str(dtype)[6:]:>6}{m:>6}{a * 1e3:13.3f}{b * 1e3:11.3f}"
-                          f"{a / b:9.2f}x{diff:12.2e}")
+                    c = best_time(lambda: dnn(x, packed), 10)
+                    diff = (dnn(x, packed) - F.linear(x, w)).abs().max().item()
+                    print(f"{name:<9}{str(dtype)[6:]:>9}{m:>6}{a * 1e3:13.3f}{b * 1e3:11.3f}"
+                          f"{c * 1e3:11.3f}{2 * m * k * n / c / 1e9:9.0f}{a / c:9.2f}x"
+                          f"{diff:12.2e}")
         rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
         w, before = torch.randn(cfg.vocab_size, cfg.hidden_size), rss()
         for m in range(1, 257):
