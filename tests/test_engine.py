@@ -119,11 +119,49 @@ def test_sample_top_p_keeps_the_nucleus():
     assert seen == {0, 1}
 
 
+PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                   top_k=st.sampled_from([-1, 0, 1, 3, 8, 50]),
+                   top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(PARAMS, min_size=1, max_size=6), st.integers(0, 2**31))
+def test_a_row_draws_the_same_token_alone_or_in_any_batch(params, seed):
+    """A row's token depends on its logits, its parameters and its own generator only: not on
+    which other rows (greedy, filtering or not) share the batch."""
+    logits = torch.randn(len(params), 40, generator=torch.Generator().manual_seed(seed)) * 2
+    gens = lambda: [torch.Generator().manual_seed(seed + i) for i in range(len(params))]
+    together = sample(logits, params, gens())
+    alone = [sample(logits[i:i + 1], [p], [g])[0] for i, (p, g) in enumerate(zip(params, gens()))]
+    assert together == alone
+
+
+@pytest.mark.parametrize("kw, keep", [({}, 6), ({"top_k": 3}, 3), ({"top_p": 0.8}, None)])
+def test_sample_draws_by_probability(kw, keep):
+    """Frequencies over 6,000 draws within 5 sigma of softmax(logits / T), restricted to the
+    kept tokens and renormalised: unfiltered rows draw in vocabulary order, filtering ones in
+    order of probability; both must give the same distribution."""
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.0, 1.9]])
+    probs = (logits[0].double() / 0.8).softmax(-1)
+    order = probs.argsort(descending=True)
+    if keep is None:  # the nucleus: the tokens until the sorted mass before them exceeds top_p
+        keep = int(((probs[order].cumsum(0) - probs[order]) <= kw["top_p"]).sum())
+    want = torch.zeros_like(probs)
+    want[order[:keep]] = probs[order[:keep]] / probs[order[:keep]].sum()
+    g, n = torch.Generator().manual_seed(3), 6000
+    draws = [sample(logits, [SamplingParams(temperature=0.8, **kw)], [g])[0] for _ in range(n)]
+    freq = torch.bincount(torch.tensor(draws), minlength=6).double() / n
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-9).all(), (freq, want)
+
+
 def test_sample_tiny_temperature_is_greedy_and_nan_rows_fail_alone():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 0.0, 0.0]])
-    params = [SamplingParams(temperature=1e-38), SamplingParams(temperature=0.7)]
+    logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 0.0, 0.0], [0.0, -math.inf, 1.0],
+                           [math.inf, 0.0, 1.0], [0.0, 3.0, 3.0]])
+    params = [SamplingParams(temperature=1e-38), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0)]
     gens = [torch.Generator().manual_seed(0) for _ in params]
-    assert sample(logits, params, gens) == [1, None]
+    assert sample(logits, params, gens) == [1, None, None, None, 1]  # ties: the first maximum
 
 
 
