@@ -136,16 +136,18 @@ def test_a_row_draws_the_same_token_alone_or_in_any_batch(params, seed):
     assert together == alone
 
 
-@pytest.mark.parametrize("kw, keep", [({}, 6), ({"top_k": 3}, 3), ({"top_p": 0.8}, None)])
-def test_sample_draws_by_probability(kw, keep):
+@pytest.mark.parametrize("kw", [{}, {"top_k": 3}, {"top_p": 0.8}, {"top_k": 4, "top_p": 0.78},
+                                {"top_k": 9}])
+def test_sample_draws_by_probability(kw):
     """Frequencies over 6,000 draws within 5 sigma of softmax(logits / T), restricted to the
     kept tokens and renormalised: unfiltered rows draw in vocabulary order, filtering ones in
     order of probability; both must give the same distribution."""
     logits = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.0, 1.9]])
     probs = (logits[0].double() / 0.8).softmax(-1)
     order = probs.argsort(descending=True)
-    if keep is None:  # the nucleus: the tokens until the sorted mass before them exceeds top_p
-        keep = int(((probs[order].cumsum(0) - probs[order]) <= kw["top_p"]).sum())
+    keep = min(kw.get("top_k", 6), 6)  # the top k, renormalised; then the nucleus within them:
+    top = probs[order[:keep]] / probs[order[:keep]].sum()  # until the mass before exceeds top_p
+    keep = int(((top.cumsum(0) - top) <= kw.get("top_p", 1.0)).sum())
     want = torch.zeros_like(probs)
     want[order[:keep]] = probs[order[:keep]] / probs[order[:keep]].sum()
     g, n = torch.Generator().manual_seed(3), 6000
