@@ -164,8 +164,7 @@ def decode_groups(widths: list[int], cost: int) -> list[int]:
     """Where to cut decodes sorted by width (blocks of context) into groups, each padded to its
     widest: the cut that minimises padded blocks + cost per group; returns each group's end.
     Dynamic programming over the distinct widths, so a few dozen candidates at most."""
-    ends = [i + 1 for i in range(len(widths)) if i + 1 == len(widths)
-            or widths[i + 1] != widths[i]]
+    ends = [i + 1 for i in range(len(widths)) if i + 1 == len(widths) or widths[i + 1] != widths[i]]
     best, cut = [0] + [math.inf] * len(ends), [0] * (len(ends) + 1)
     for j, end in enumerate(ends, 1):
         for i in range(j):

@@ -282,13 +282,15 @@ class Sequence:
     error: Exception | None = None
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           gens: list[torch.Generator]) -> list[int | None]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
+           width: int = 4096) -> list[int | None]:
     """One token per row; None where the row's logits are not finite. Greedy rows take the
-    argmax; the others sample in float64 by inverse CDF with one uniform draw from the request's
-    own generator (a seed gives the same tokens whatever the batch): over the vocabulary in its
-    own order, or over the tokens that top-k then top-p keep, by probability. Only the rows that
-    filter sort the vocabulary (~2 ms a row on a CPU)."""
+    argmax; the others sample in float64 by inverse CDF over the vocabulary in its own order,
+    one uniform draw from the request's own generator (a seed gives the same tokens whatever
+    the batch). A row that filters keeps its top k tokens, then the nucleus of top_p within
+    them (renormalised): every token as likely as the last one kept, ties too (as vLLM's top-k
+    does). Those are found among the `width` likeliest (torch.topk) when these hold them all,
+    else by sorting the vocabulary (32 rows of 49,152 logits: 19-30 ms here, 103 with the sort)."""
     dev = logits.device  # the filtering runs where the logits are; the draws on CPU generators
     top, out = logits.max(-1)  # the first maximum, as argmax; NaN if the row holds one
     out, ok = out.tolist(), (top.isfinite() & logits.amin(-1).isfinite()).tolist()
@@ -299,16 +301,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = (logits[rows].double() / col([p.temperature for p in q],
                                               dtype=torch.float64)).softmax(-1)
         sub = [j for j, p in enumerate(q) if 0 < p.top_k < vocab or p.top_p < 1]
-        if sub:  # the top k (renormalised), then the nucleus of top_p within them
-            p, idx = probs[sub].sort(dim=-1, descending=True, stable=True)
+        if sub:
+            ps, top_p = probs[sub], col([q[j].top_p for j in sub], dtype=torch.float64)
             k = col([q[j].top_k if 0 < q[j].top_k < vocab else vocab for j in sub])
-            p = p.masked_fill(torch.arange(vocab, device=dev) >= k, 0.0)
-            cut = col([q[j].top_p for j in sub], dtype=torch.float64) * p.sum(-1, keepdim=True)
-            probs[sub] = p.masked_fill(p.cumsum(-1) - p > cut, 0.0)
+            for w in (min(vocab, int(k.where(k < vocab, width).max())), vocab):  # w >= all k
+                p = ps.topk(w, dim=-1).values.masked_fill(torch.arange(w, device=dev) >= k, 0)
+                c = p.cumsum(-1)  # p: the w likeliest, most likely first, zero beyond k
+                cut = top_p * torch.where(k < vocab, c[:, -1:], ps.sum(-1, keepdim=True))
+                if ((k <= w) | (c[:, -1:] > cut)).all():
+                    break  # every row's kept tokens are among these w
+            t = p.masked_fill((c - p > cut) | (p == 0), math.inf).amin(-1, keepdim=True)
+            probs[sub] = ps.masked_fill(ps < t, 0.0)
         cdf = probs.cumsum(-1)
         u = torch.stack([torch.rand((), dtype=torch.float64, generator=gens[i]) for i in rows])
         pick = torch.searchsorted(cdf, (u.to(dev) * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
-        pick[sub] = idx.gather(1, pick[sub]) if sub else pick[sub]
         for i, tok in zip(rows, pick[:, 0].tolist()):
             out[i] = tok
     return [t if ok[i] else None for i, t in enumerate(out)]
@@ -563,11 +569,9 @@ class LLM:
             for rid in ours:
                 e.abort(rid)
             raise
-        outs = []
-        for s in slots:
-            outs.append(e.output(s) if isinstance(s, str) else s)
-            if isinstance(s, str):
-                e.release(s)
+        outs = [e.output(s) if isinstance(s, str) else s for s in slots]
+        for rid in [s for s in slots if isinstance(s, str)]:
+            e.release(rid)
         return outs
 
     def chat_prompt(self, message: str) -> str | list[int]:
@@ -592,8 +596,7 @@ def generate_parser() -> Parser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--request-seed", type=int, default=None, help="seed of this request")
-    ap.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the "
-                    "chat template")
+    ap.add_argument("--no-chat", action="store_true", help="the prompt as is, no chat template")
     add_engine_flags(ap)
     return ap
 

@@ -124,21 +124,25 @@ PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 2
                    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]))
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(PARAMS, min_size=1, max_size=6), st.integers(0, 2**31))
-def test_a_row_draws_the_same_token_alone_or_in_any_batch(params, seed):
+@settings(max_examples=60, deadline=None)
+@given(st.lists(PARAMS, min_size=1, max_size=6), st.integers(0, 2**31),
+       st.sampled_from([1, 3, 8, 40]))
+def test_a_row_draws_the_same_token_alone_or_in_any_batch(params, seed, width):
     """A row's token depends on its logits, its parameters and its own generator only: not on
-    which other rows (greedy, filtering or not) share the batch."""
+    which other rows (greedy, filtering or not) share the batch, nor on whether the batch's
+    filtering found the kept tokens among the `width` likeliest or had to sort."""
     logits = torch.randn(len(params), 40, generator=torch.Generator().manual_seed(seed)) * 2
     gens = lambda: [torch.Generator().manual_seed(seed + i) for i in range(len(params))]
-    together = sample(logits, params, gens())
-    alone = [sample(logits[i:i + 1], [p], [g])[0] for i, (p, g) in enumerate(zip(params, gens()))]
+    together = sample(logits, params, gens(), width)
+    alone = [sample(logits[i:i + 1], [p], [g], width)[0]
+             for i, (p, g) in enumerate(zip(params, gens()))]
     assert together == alone
 
 
+@pytest.mark.parametrize("width", [2, 4096])
 @pytest.mark.parametrize("kw", [{}, {"top_k": 3}, {"top_p": 0.8}, {"top_k": 4, "top_p": 0.78},
                                 {"top_k": 9}])
-def test_sample_draws_by_probability(kw):
+def test_sample_draws_by_probability(kw, width):
     """Frequencies over 6,000 draws within 5 sigma of softmax(logits / T), restricted to the
     kept tokens and renormalised: unfiltered rows draw in vocabulary order, filtering ones in
     order of probability; both must give the same distribution."""
@@ -151,9 +155,16 @@ def test_sample_draws_by_probability(kw):
     want = torch.zeros_like(probs)
     want[order[:keep]] = probs[order[:keep]] / probs[order[:keep]].sum()
     g, n = torch.Generator().manual_seed(3), 6000
-    draws = [sample(logits, [SamplingParams(temperature=0.8, **kw)], [g])[0] for _ in range(n)]
+    draws = [sample(logits, [SamplingParams(temperature=0.8, **kw)], [g], width)[0]
+             for _ in range(n)]
     freq = torch.bincount(torch.tensor(draws), minlength=6).double() / n
     assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-9).all(), (freq, want)
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_last_one_kept():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    assert {sample(logits, [SamplingParams(top_k=1)], [g])[0] for _ in range(100)} == {1, 2}
 
 
 def test_sample_tiny_temperature_is_greedy_and_nan_rows_fail_alone():
