@@ -241,20 +241,20 @@ class Linear(nn.Linear):
     packed_of: tuple = ()
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        if (x.dim() != 2 or x.device.type != "cpu" or x.dtype not in PACKABLE or self.bias
-                is not None or not torch.is_inference_mode_enabled() or not PACK_WEIGHTS):
+        w, p = self.weight, self.packed
+        if not torch.is_inference_mode_enabled() or x.dim() != 2 or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        key, dtype = (w.data_ptr(), w._version, w.dtype, w.shape), x.dtype
-        if self.packed_of != key:
-            wide = w.float() if w.dtype == torch.bfloat16 and WIDEN_BF16 else w
-            self.packed, self.packed_of = torch.ops.mkldnn._reorder_linear_weight(wide, 32), key
-        m, rows = x.shape[0], padded_rows(x.shape[0])
-        x = x.to(self.packed.dtype)
-        if rows != m:
-            x = F.pad(x, (0, 0, 0, rows - m))
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return out[:m].to(dtype)
+        if self.packed_of != (w._version, w.data_ptr()):  # new or changed weights: pack anew
+            ok = PACK_WEIGHTS and w.is_cpu and w.dtype in PACKABLE and self.bias is None
+            wide = w.float() if ok and w.dtype == torch.bfloat16 and WIDEN_BF16 else w
+            p = torch.ops.mkldnn._reorder_linear_weight(wide, 32) if ok else None
+            self.packed, self.packed_of = p, (w._version, w.data_ptr())
+        if p is None:
+            return F.linear(x, w, self.bias)
+        if (rows := padded_rows(m := x.shape[0])) == m and p.dtype == x.dtype:  # no pad, no cast
+            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        y = F.pad(x.to(p.dtype), (0, 0, 0, rows - m))
+        return torch.ops.mkldnn._linear_pointwise(y, p, None, "none", [], "")[:m].to(x.dtype)
 
 
 class Attention(nn.Module):
