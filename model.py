@@ -235,7 +235,8 @@ class Linear(nn.Linear):
     into oneDNN's blocked layout (what torch.compile's CPU backend does; F.linear re-reads the
     plain layout every call): 1.2-2.4x faster fp32 GEMMs at decode's row counts. oneDNN keeps
     state per input shape, so rows are padded to few counts (padded_rows); the packed copy is
-    rebuilt when the weight changes. Costs a second copy of the weights (in fp32 where bf16
+    rebuilt when the weight changes (in place too, unless it is an inference tensor: those keep
+    no version count). Costs a second copy of the weights (in fp32 where bf16
     weights are widened, WIDEN_BF16 above)."""
     packed: Tensor | None = None
     packed_of: tuple = ()
@@ -244,11 +245,11 @@ class Linear(nn.Linear):
         w, p = self.weight, self.packed
         if not torch.is_inference_mode_enabled() or x.dim() != 2 or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        if self.packed_of != (w._version, w.data_ptr()):  # new or changed weights: pack anew
+        if self.packed_of != (key := (w.data_ptr(), w.is_inference() or w._version)):
             ok = PACK_WEIGHTS and w.is_cpu and w.dtype in PACKABLE and self.bias is None
             wide = w.float() if ok and w.dtype == torch.bfloat16 and WIDEN_BF16 else w
             p = torch.ops.mkldnn._reorder_linear_weight(wide, 32) if ok else None
-            self.packed, self.packed_of = p, (w._version, w.data_ptr())
+            self.packed, self.packed_of = p, key  # new or changed weights: packed anew
         if p is None:
             return F.linear(x, w, self.bias)
         if (rows := padded_rows(m := x.shape[0])) == m and p.dtype == x.dtype:  # no pad, no cast

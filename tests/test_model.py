@@ -395,6 +395,14 @@ def test_packed_linear_matches_f_linear_and_follows_weight_changes(dtype):
         x = torch.randn(5, 64, dtype=dtype)
         ref = torch.nn.functional.linear(x, lin.weight)
         assert torch.allclose(lin(x).float(), ref.float(), atol=2 * tol, rtol=tol)
+        for swap in ("parameter", "data"):  # new storage, version 0 again: rebuilt too
+            new = torch.randn(96, 64, dtype=dtype)
+            if swap == "parameter":
+                lin.weight = torch.nn.Parameter(new, requires_grad=False)
+            else:
+                lin.weight.data = new
+            ref = torch.nn.functional.linear(x, new)
+            assert torch.allclose(lin(x).float(), ref.float(), atol=2 * tol, rtol=tol)
     lin.packed = None                 # outside inference mode: plain F.linear, nothing packed
     with torch.no_grad():
         x = torch.randn(5, 64, dtype=dtype)
