@@ -1,8 +1,9 @@
 """The OpenAI request and response shapes the server accepts and returns (pydantic models).
 
 Requests say what they accept: typed messages (a role from a fixed set; content as a string or a
-list of text parts), token ids as lists of non-negative integers (not booleans), numbers as
-numbers (no coercion from strings or booleans), ranges in the schema, and no unknown fields.
+list of text parts), token ids as lists of non-negative integers, integers as JSON Schema has
+them (5.0 is 5; 5.5, "5" and true are not), numbers as numbers (no coercion from strings or
+booleans), ranges in the schema, and no unknown fields.
 Every parameter of OpenAI's completions and chat APIs is either implemented or accepted only at
 its no-op value, in the schema itself, so anything else is a 400 that names it (NOT_SUPPORTED);
 the README lists them.
@@ -11,8 +12,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
-                      StrictInt, StrictStr)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
+                      StrictFloat, StrictInt, StrictStr)
+
+def _integral(value):
+    """JSON Schema's integer: 5.0 is one (JSON has one number type), 5.5 is not, nor is true."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**limits):
+    """An integer as JSON Schema means it (the schema says "integer"): no strings, no booleans.
+    The limits come before the validator, so that the schema carries them as minimum/maximum."""
+    return Annotated[StrictInt, Field(**limits), BeforeValidator(_integral)]
+
 
 def num(**limits):
     """A JSON number (not a string or a boolean) within limits, stated per branch so that the
@@ -21,7 +33,8 @@ def num(**limits):
 
 
 Number = num()
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+Text = Annotated[StrictStr, Field(min_length=1)]  # a stop string: empty would stop anywhere
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 def _false(value: bool) -> bool:
     if value:
@@ -53,12 +66,13 @@ class StreamOptions(Strict):
 class Body(Strict):
     """Fields both endpoints take (OpenAI's, then our extensions)."""
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1, description="most tokens to generate")
+    max_tokens: integer(ge=1) | None = Field(None, description="most tokens to generate")
     temperature: num(ge=0, le=2) = 1.0
     top_p: num(gt=0, le=1) = 1.0
-    seed: StrictInt | None = Field(None, ge=-2**63, le=2**64 - 1)
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = Field(1, ge=1, le=1, description="only 1")
+    seed: integer() | None = Field(  # unbounded: a float-typed schema cannot say 2**64 - 1
+        None, description="any integer, taken modulo 2**64 (as torch takes a negative one)")
+    stop: Text | list[Text] | None = None
+    n: integer(ge=1, le=1) = Field(1, description="only 1")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = Field(None, description="accepted; identifies the end user")
@@ -66,10 +80,10 @@ class Body(Strict):
     presence_penalty: Zero | None = Field(None, description="not supported: only 0")
     logit_bias: Annotated[dict[str, Number], Empty] | None = Field(
         None, description="not supported: only empty")
-    top_k: StrictInt = Field(0, ge=-1, description="extension: 0 or -1 = off")
+    top_k: integer(ge=-1) = Field(0, description="extension: 0 or -1 = off")
     ignore_eos: StrictBool = Field(False, description="extension: run to max_tokens")
-    priority: StrictInt = Field(0, ge=-2**31, le=2**31 - 1,
-                                description="extension: lower runs first (--policy priority)")
+    priority: integer(ge=-2**31, le=2**31 - 1) = Field(
+        0, description="extension: lower runs first (--policy priority)")
     ttft_slo: num(gt=0, le=86400) | None = Field(None, description="extension: seconds")
     tbt_slo: num(gt=0, le=86400) | None = Field(None, description="extension: seconds")
 
@@ -80,9 +94,9 @@ class CompletionBody(Body):
                                                                         max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     echo: FalseOnly | None = Field(None, description="not supported: only false")
-    logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = Field(
+    logprobs: integer(ge=0, le=0) | None = Field(
         None, description="not supported: only 0")
-    best_of: Annotated[StrictInt, Field(ge=1, le=1)] | None = Field(
+    best_of: integer(ge=1, le=1) | None = Field(
         None, description="not supported: only 1")
     suffix: Annotated[StrictStr, Empty] | None = Field(None, description="not supported: only \"\"")
 
@@ -104,9 +118,9 @@ class Message(Strict):
 
 class ChatBody(Body):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: FalseOnly | None = Field(None, description="not supported: only false")
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=0)] | None = Field(
+    top_logprobs: integer(ge=0, le=0) | None = Field(
         None, description="not supported: only 0")
     response_format: TextFormat | None = Field(None, description='only {"type": "text"}')
     tools: Annotated[list[dict[str, Any]], Empty] | None = Field(

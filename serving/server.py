@@ -35,7 +35,10 @@ from serving.protocol import (ERRORS, NOT_SUPPORTED, Body, ChatBody, ChatComplet
 from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
 
 MAX_BODY_BYTES = 1 << 20   # a request body larger than this is a 413
-SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
+SSE_EVENT = {"type": "object", "required": ["data"],  # OpenAPI 3.1: a schema per event
+             "properties": {"data": {"type": "string",
+                                     "description": "a JSON chunk, or [DONE] after the last"}}}
+SSE_DOC = {"text/event-stream": {"schema": SSE_EVENT,
                                  "description": "with stream: true, chunks of the same shape"}}
 
 
@@ -174,9 +177,10 @@ def sampling(body: Body, n_prompt: int, max_len: int, default_max: int, what: st
                             f"context is {max_len} tokens", "max_tokens",
                        code="context_length_exceeded")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    seed = None if body.seed is None else body.seed % 2**64  # as torch takes a negative seed
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=float(body.temperature),
-                              top_p=float(body.top_p), top_k=body.top_k, seed=body.seed,
+                              top_p=float(body.top_p), top_k=body.top_k, seed=seed,
                               stop=stop, ignore_eos=body.ignore_eos)
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split(" ")[0]) from None

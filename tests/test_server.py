@@ -208,17 +208,37 @@ def test_chat_content_may_be_text_parts(served, reference):
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": [[False]]}, "prompt.0.0"), ({"prompt": [True]}, "prompt.0"),
-    ({"prompt": [1.0]}, "prompt.0"), ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+    ({"prompt": [1.5]}, "prompt.0"), ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
     ({"prompt": "hi", "stream": "yes"}, "stream"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"), ({"prompt": "hi", "best_of": 2}, "best_of"),
     ({"prompt": "hi", "echo": True}, "echo"), ({"prompt": "hi", "color": "blue"}, "color"),
     ({"prompt": [5, -1]}, "prompt.1"), ({"prompt": []}, "prompt"),
+    ({"prompt": "hi", "stop": [""]}, "stop.0"), ({"prompt": "hi", "stop": ""}, "stop"),
 ])
 def test_completion_inputs_are_strict(served, body, param):
     _, _, base = served
     status, out = post(base, "/v1/completions", {"model": NAME, "max_tokens": 2} | body)
     assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_integers_are_json_schema_integers(served):
+    """JSON has one number type and the schema says "integer": 5.0 is 5 (schemathesis found the
+    server refusing a schema-valid [[1359.0, 633.0]]), while 5.5, "5" and true stay 400s."""
+    _, _, base = served
+    ask = lambda **kw: post(base, "/v1/completions", {"model": NAME, "temperature": 0} | kw)
+    want = ask(prompt=[[1359, 633, 9060]], max_tokens=3)
+    got = ask(prompt=[[1359.0, 633.0, 9060.0]], max_tokens=3.0)
+    assert want[0] == got[0] == 200
+    assert got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
+    for bad in (3.5, "3", True):
+        status, out = ask(prompt="hi", max_tokens=bad)
+        assert status == 400 and out["error"]["param"] == "max_tokens", out
+    # any integer seed, modulo 2**64 (a bound near 2**64 is not exact in the float-typed schema)
+    texts = [ask(prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=s)
+             for s in (7, 7 + 2**64, 7 - 2**64, 7.0)]
+    assert all(t[0] == 200 for t in texts), texts
+    assert len({t[1]["choices"][0]["text"] for t in texts}) == 1
 
 
 @pytest.mark.parametrize("body,param", [
@@ -301,10 +321,17 @@ def test_the_openapi_document_lists_what_the_server_sends(served):
     doc = json.loads(urllib.request.urlopen(base + "/openapi.json").read())
     post_ = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert {"200", "400", "404", "413", "503"} <= set(post_) and "422" not in post_
-    assert "text/event-stream" in post_["200"]["content"]
+    event = post_["200"]["content"]["text/event-stream"]["schema"]  # OpenAPI 3.1: one event
+    assert event["type"] == "object" and event["properties"]["data"]["type"] == "string"
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     chat = doc["components"]["schemas"]["ChatBody"]["properties"]["messages"]
     assert chat["minItems"] == 1
+    body = doc["components"]["schemas"]["CompletionBody"]["properties"]
+    assert body["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert body["best_of"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 1}
+    keys = lambda x: (set(x) | set().union(*map(keys, x.values())) if isinstance(x, dict) else
+                      set().union(*map(keys, x)) if isinstance(x, list) else set())
+    assert not {"ge", "le", "gt", "lt"} & keys(doc["components"])  # JSON Schema's words only
 
 
 def test_the_bench_client_counts_tokens_and_reads_the_servers_counters(served):
