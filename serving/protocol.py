@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
                       StrictFloat, StrictInt, StrictStr)
 
+
 def _integral(value):
     """JSON Schema's integer: 5.0 is one (JSON has one number type), 5.5 is not, nor is true."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
