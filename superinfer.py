@@ -570,7 +570,7 @@ class LLM:
                 e.abort(rid)
             raise
         outs = [e.output(s) if isinstance(s, str) else s for s in slots]
-        for rid in [s for s in slots if isinstance(s, str)]:
+        for rid in ours:
             e.release(rid)
         return outs
 

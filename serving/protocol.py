@@ -34,7 +34,7 @@ def num(**limits):
 
 
 Number = num()
-Text = Annotated[StrictStr, Field(min_length=1)]  # a stop string: empty would stop anywhere
+Text = Annotated[StrictStr, Field(min_length=1)]  # a prompt, or a stop string (empty: anywhere)
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 def _false(value: bool) -> bool:
@@ -90,9 +90,7 @@ class Body(Strict):
 
 
 class CompletionBody(Body):
-    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds \
-        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1,
-                                                                        max_length=1)] \
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     echo: FalseOnly | None = Field(None, description="not supported: only false")
     logprobs: integer(ge=0, le=0) | None = Field(

@@ -168,7 +168,7 @@ def test_rotasched_rotates_the_longest_running_decode_for_a_new_request():
     plan = s.schedule(0.3)                 # r1 frees its clean block: 4 + 1 = 5
     assert plan.rotated_out == ["r1"] and plan.rotated_for == {"r1": "new"}
     assert plan.admitted == ["new"] and s.requests["r1"] not in plan.chunks
-    assert len(s.bm.fenced) == 1            # r1's dirty block waits for its copy to land
+    assert len(s.bm.fenced) == 1          # r1's dirty block waits for its copy to land
 
 
 @pytest.mark.parametrize("seats", [0, 1])
