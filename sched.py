@@ -131,7 +131,7 @@ class Policy:
     rotates = False              # may rotate running requests out to admit a candidate
     one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
     prealloc_tokens = 0          # slots allocated ahead when a request needs a new block
-    backfill = False             # a new request that cannot start holds back none behind it
+    backfill = 0.0               # > 0: a new request that cannot start holds back none behind it
     PARAMS: dict[str, type] = {}  # what 'name:key=value' may set
 
     def rank(self, r: Request, now: float) -> tuple:
@@ -216,9 +216,9 @@ class RotaSched(Policy):
       budget     rotations per token generated, engine-wide, over the last WINDOW tokens or so
                  (0 = no limit): each rotation is a long gap for its victim, so below 1% of all
                  gaps they leave the TBT p99 alone;
-      stalls     the TBT tail as a budget: no rotation for a candidate while the recent stalls
-                 (rotated-out requests that were, or are, out longer than `stall` TBT SLOs)
-                 reach this share of the tokens (0 = no limit). The p99 is 1% of the gaps;
+      stalls     the TBT tail as a budget: no rotation while the recent stalls (rotated-out
+                 requests that were, or are, out longer than `stall` TBT SLOs; each victim
+                 counts) reach this share of the tokens (0 = no limit). The p99 is 1% of gaps;
                  0.0075 leaves a quarter of it to the long gaps the load makes anyway;
       of         those tokens: "admitted", generated so far plus still owed by the requests
                  on the device or rotated out; "generated", so far only (small early on, so a
@@ -229,11 +229,14 @@ class RotaSched(Policy):
       pick       the victim of a reactive preemption (a running request needs a block): "lag",
                  the longest-running decode (the tail of the VLT order), or "last", the last
                  admitted (vLLM's; the newest holds the least KV, so it comes back soonest);
-      backfill   1: a new request that cannot start does not hold back the new ones behind it;
-                 those may then start only if their whole prompt fits in the free room (rotating
-                 no one out) and they are not yet due (lag < 0: waited under beta_f x S_TTFT):
-                 short prompts pass a long one in a burst (which may wait longer); rotated-out
-                 requests still return in order. 0: strict, like the queues of vLLM;
+      backfill   > 0: a new request that cannot start does not hold back the new ones behind
+                 it; those may then start only if their whole prompt fits in the free room
+                 (rotating no one out), they are not yet due (lag < 0: waited under beta_f x
+                 S_TTFT) and their prompt is at most this share of the step's token budget (a
+                 decode step that takes a whole prompt of nearly a budget becomes a full prefill
+                 step, a long gap for every decode in it): short prompts pass a long one in a
+                 burst (which may wait longer); rotated-out requests still return in order. 0:
+                 strict, like the queues of vLLM; 100 (any large value): any prompt that fits;
       seats      1: a request may be rotated out for a candidate that waits only for a seat
                  (max_num_seqs) or the token budget, its KV fitting in the free room; 0: only
                  for one whose KV does not fit (the authors' scheduler swaps out only when free
@@ -243,26 +246,35 @@ class RotaSched(Policy):
                  "viable" (default): those that can still meet their TTFT SLO before those
                  that cannot, each by lag: more first tokens on time under overload, but a
                  request already late waits while the others can make it (a longer TTFT tail);
-      patience   with order=viable, a late request waits behind the others only until it has
-                 waited this many TTFT SLOs, then takes its place by lag again (0 = no limit):
-                 the bound on that tail.
+                 "sjf": as "viable", but each group shortest prompt first, not by lag (ours:
+                 under compute-bound overload more first tokens on time, with no rotation at
+                 all, while long prompts wait: a much longer TTFT tail);
+      patience   with order=viable or sjf, a late request waits behind the others only until
+                 it has waited this many TTFT SLOs, then rejoins them (by lag; with sjf, by
+                 length) (0 = no limit): the bound on that tail;
+      finish     1: no rotation for a new request in a step that computes part of a running
+                 request's prompt (admitted in an earlier step): the new prompt would share that
+                 step and delay the running request's first token, which under chunked prefill
+                 may be due; 2: only in a step that completes such a prompt while its request
+                 can still meet its TTFT SLO (its first token comes this step, and one more
+                 prompt in the step could make it late); 0 (default): rotate in any step.
     The mechanism adds: a rotation for a new request must give it its first token this step.
     """
     name, preempt, duplex, rotates = "rotasched", "swap", True, True
     CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("fifo", "free", "rotate"),
                "gate": ("any", "due", "viable"), "pick": ("lag", "last"), "out": ("all", "stalled"),
-               "of": ("admitted", "generated"), "order": ("lag", "viable")}
-    PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str,
+               "of": ("admitted", "generated"), "order": ("lag", "viable", "sjf")}
+    PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str, "finish": float,
               "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
               "stalls": float, "stall": float, "pick": str, "of": str, "out": str,
               "backfill": float, "seats": float, "order": str, "patience": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
-                 alpha_on: str = "rotary", rotations: float = 2, budget: float = 0,
+                 alpha_on: str = "rotary", rotations: float = 1, budget: float = 0,
                  back: str = "fifo", gate: str = "any", quantum: float = 0.0,
                  stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
-                 of: str = "admitted", out: str = "all", backfill: float = 1, seats: float = 1,
-                 order: str = "viable", patience: float = 8, duplex: bool = True,
+                 of: str = "admitted", out: str = "all", backfill: float = 0.75, seats: float = 1,
+                 order: str = "viable", patience: float = 8, finish: float = 0, duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
         for k, v in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
                      ("of", of), ("out", out), ("order", order)):
@@ -272,8 +284,8 @@ class RotaSched(Policy):
         self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
         self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
         self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
-        self.backfill, self.seats, self.order = bool(backfill), bool(seats), order
-        self.patience = patience
+        self.backfill, self.seats, self.order = backfill, bool(seats), order
+        self.patience, self.finish = patience, finish
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
@@ -291,9 +303,9 @@ class RotaSched(Policy):
         return lag if r.status is Status.RUNNING else max(0.0, lag)
 
     def rank(self, r, now):
-        late = self.order == "viable" and not self.viable(r, now) and not (  # late, not too late
+        late = self.order != "lag" and not self.viable(r, now) and not (  # late, not too late
             self.patience and now - r.arrival >= self.patience * (r.ttft_slo or self.ttft_slo))
-        return (late, -self.vlt(r, now), r.arrival, r.seq)
+        return (late, -self.vlt(r, now) if self.order != "sjf" else r.num_prompt, r.arrival, r.seq)
 
     def queues(self, s, plan, now):
         queued = s.waiting + s.rotary
@@ -325,17 +337,22 @@ class RotaSched(Policy):
     def victims(self, s: Scheduler, plan: StepPlan, now: float) -> list[Request]:
         """Running requests that may be rotated out, first choice first. A victim must have made
         progress since it was admitted (no livelock), have run a full time slice, have rotations
-        left, and be able to come back within one step's transfer budget."""
-        if self.budget and s.num_rotated >= self.budget * s.num_generated:
-            return []
-        if self.stalls and (s.num_stalls + sum(self.out == "all" or self.stalled(r, now)
-                                               for r in s.rotary)
-                            >= self.stalls * self.tokens(s)):
-            return []
-        ok = [v for v in s.running if v.tokens_since_admit > 0 and not self.spent(v)
-              and now - v.t_admitted >= self.quantum
-              and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
-        return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
+        left, and be able to come back within one step's transfer budget. Each rotation counts
+        against the budgets as it is made: a candidate that needs several victims takes no more
+        than the budgets have left."""
+        if self.finish and any(not r.in_decode and r.t_admitted < now and (self.finish < 2 or (
+                not r.output and r.num_computed + n >= r.num_prompt and now - r.arrival
+                < (r.ttft_slo or self.ttft_slo))) for r, n in plan.chunks.items()):
+            return []  # a running request's prompt is in this step (finish=2: its first token)
+        left = self.budget * s.num_generated - s.num_rotated if self.budget else len(s.running)
+        if self.stalls:
+            used = s.num_stalls + sum(self.out == "all" or self.stalled(r, now) for r in s.rotary)
+            room = self.stalls * self.tokens(s) - used  # out=stalled: a victim is no stall yet
+            left = min(left, room) if self.out == "all" or room <= 0 else left
+        ok = [v for v in s.running if now - v.t_admitted >= self.quantum and v.tokens_since_admit
+              and not self.spent(v) and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
+        ok.sort(key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
+        return ok[:max(0, math.ceil(left))]
 
     def tokens(self, s: Scheduler) -> int:
         """What the stall budget is a share of: the tokens generated so far, and with
@@ -591,20 +608,18 @@ class Scheduler:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
         or None if it cannot fit even with every eligible victim. Once a candidate was passed
         over (backfill), c may start only whole in free room, and a new one only while it is
-        not yet due."""
+        not yet due and its prompt is short (RotaSched's backfill)."""
         cost = Room(self.bm.num_free, self._budget, 0, 0)
-        if passed and (self.bm.blocks_for(c.num_tokens) > cost.room or
-                       c.status is Status.WAITING and self.policy.lag(c, now) >= 0):
+        if passed and (self.bm.blocks_for(c.num_tokens) > cost.room or c.status is Status.WAITING
+                       and (self.policy.lag(c, now) >= 0 or c.num_tokens
+                            > self.policy.backfill * self.cfg.max_num_batched_tokens)):
             return None
         if self._fits(plan, c, cost, 0):
             return []
         if passed or not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
             return None
-        started = set(plan.admitted + plan.resumed + plan.rotated_in)
         chosen: list[Request] = []
-        for v in self.policy.victims(self, plan, now):
-            if v.rid in started:
-                continue
+        for v in self.policy.victims(self, plan, now):  # none started this step: see victims()
             drop = plan.chunks.get(v, 0)
             e = self.bm.swap_out_effect(v.rid, drop)
             more = Room(cost.room + e.room, cost.budget + drop, cost.host + e.host_need,

@@ -198,12 +198,27 @@ def test_order_viable_serves_requests_that_can_still_meet_their_ttft_slo_first(o
     assert plan.admitted == [first] and plan.rotated_for == {"r1": first}
 
 
+def test_order_sjf_starts_the_shortest_prompt_first():
+    """"new" (24 tokens, 6 blocks) waits longer than "short" (12, 3 blocks; 4 are free): by lag
+    "new" starts first and rotates two decodes out for it; order=sjf starts "short" in the free
+    room and rotates no one."""
+    for spec, first, out in (("rotasched:stalls=0", "new", ["r1", "r0"]),
+                             ("rotasched:stalls=0,order=sjf", "short", [])):
+        s = rotation_setup(policy=spec, prompt=24)
+        s.add(Request("short", 12, 4, 0.2))
+        plan = s.schedule(0.3)
+        assert plan.admitted == [first] and plan.rotated_out == out, (spec, plan)
+
+
 def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():
-    """quantum=100: nobody may be rotated out, so "new" (5 blocks, 4 free) cannot start."""
+    """quantum=100: nobody may be rotated out, so "new" (5 blocks, 4 free) cannot start. The
+    step's budget is 64 tokens: a passed prompt of 12 may start with backfill >= 12 / 64."""
     for spec, started in (("rotasched:quantum=100,backfill=0", []),
-                          ("rotasched:quantum=100", ["short"])):   # backfill=1 is the default
+                          ("rotasched:quantum=100,backfill=0.125", []),  # at most 8 tokens
+                          ("rotasched:quantum=100,backfill=0.1875", ["short"]),  # 12
+                          ("rotasched:quantum=100", ["short"])):   # the default, 0.75: 48
         s = rotation_setup(policy=spec)
-        s.add(Request("short", 4, 4, 0.1))
+        s.add(Request("short", 12, 4, 0.1))
         plan = s.schedule(0.3)
         assert plan.admitted == started and not plan.rotated_out, (spec, plan)
     s = rotation_setup(policy="rotasched:stalls=0")  # new can rotate r1 out: no pass
@@ -220,6 +235,31 @@ def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():
         s.add(Request("short", 4, 4, 0.2))
         plan = s.schedule(0.3)
         assert plan.admitted == started and not plan.rotated_out, (spec, plan)
+
+
+def test_finish_holds_a_rotation_while_a_running_prompt_finishes():
+    """Three seats: two decodes and "long", whose 24-token prompt takes two steps of a 16-token
+    budget. "new" needs a seat, which a rotation could give it in the step that computes the
+    rest of long's prompt; finish=1 waits until that first token is out, and so does finish=2
+    while long can still meet its TTFT SLO (not with an SLO of 0.05 s, already missed)."""
+    for spec, slo, first in (("rotasched", None, 0.15), ("rotasched:finish=1", None, 0.2),
+                             ("rotasched:finish=2", None, 0.2),
+                             ("rotasched:finish=2", 0.05, 0.15)):
+        s = make_sched(spec, dev=32, max_num_seqs=3, max_num_batched_tokens=16, ttft_slo=1.0,
+                       tbt_slo=0.1)
+        for i in range(2):
+            s.add(Request(f"r{i}", 6, 16, 0.0))
+        step_once(s, 0.0)
+        step_once(s, 0.05)
+        s.add(Request("long", 24, 4, 0.06, ttft_slo=slo))
+        assert step_once(s, 0.1).chunks[s.requests["long"]] == 14
+        s.add(Request("new", 4, 4, 0.12))
+        for now in (0.15, 0.2):
+            plan = step_once(s, now)
+            assert (plan.admitted == ["new"]) == (now == first), (spec, now, plan)
+            assert bool(plan.rotated_out) == (now == first)
+            if now == 0.15:  # the rest of long's prompt, either way
+                assert plan.chunks[s.requests["long"]] == 10
 
 
 def test_a_passed_request_starts_only_whole_and_only_while_it_is_not_yet_due():
@@ -287,6 +327,17 @@ def test_stall_budget_caps_long_gaps_per_generated_token():
     s = rotation_setup(policy="rotasched:stalls=0")          # 0 = no limit
     s.num_stalls = 99
     assert s.schedule(0.3).rotated_out == ["r1"]
+
+
+def test_stall_budget_counts_each_victim_of_one_candidate():
+    """A candidate that needs several victims takes no more than the stall budget has left:
+    each rotation counts as it is made (a burst's long prompt once rotated five decodes out
+    for itself while the budget had room for two)."""
+    for stalls, prompt, out in ((0.2, 24, ["r1", "r0"]), (0.1, 24, []), (0.1, 20, ["r1"])):
+        s = rotation_setup(policy=f"rotasched:stalls={stalls},of=generated", prompt=prompt)
+        plan = s.schedule(0.3)              # 6 tokens: 1.2 or 0.6 stalls allowed; a victim
+        assert plan.rotated_out == out      # frees 1 block now, 24 tokens need two victims
+        assert plan.admitted == (["new"] if out else [])
 
 
 def test_stall_budget_of_admitted_counts_the_tokens_still_owed():
@@ -388,7 +439,7 @@ def test_a_parked_request_comes_back_into_free_room_or_by_rotation(back):
     assert step_once(s, 0.6).rotated_out == ["r1"]         # for "new"
     r1, p = s.requests["r1"], s.policy
     assert p.may_rotate_for(s, r1, 0.7) == (back == "rotate")
-    assert p.strict(r1) == (back != "free") and p.strict(s.requests["new"]) is not p.backfill
+    assert p.strict(r1) == (back != "free") and p.strict(s.requests["new"]) == (not p.backfill)
     s.abort("new")                                          # room again: r1 simply comes back
     plan = step_once(s, 0.7)
     assert plan.rotated_in == ["r1"] and not plan.rotated_out
