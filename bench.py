@@ -477,9 +477,10 @@ def validate_row(real: dict, items: list[Item], cfg, policy: str) -> dict:
 def parse_args(argv):
     ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default=None,
-                    help="comma list: fcfs, fcfs-swap, priority, rotasched, rotasched-released; hf "
-                         "(HF transformers' continuous batching); openai (the --base-url server)."
-                         " With parameters use ';' between policies: 'fcfs;rotasched:quantum=0.5'."
+                    help="comma list: fcfs, priority, fcfs-swap, rotasched-lvf, rotasched, "
+                         "rotasched-released; hf (HF transformers' continuous batching); openai "
+                         "(the --base-url server). With parameters use ';' between policies: "
+                         "'fcfs;rotasched:alpha=1'."
                          " A policy named twice runs twice (the second labelled 'fcfs-swap#2'):"
                          " the verdict's A/A line says how far apart the machine alone puts runs."
                          " Default: fcfs,fcfs-swap,rotasched; with --backend openai: openai")

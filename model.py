@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 
 # oneDNN-packed CPU weights (Linear below); PACK_WEIGHTS = False keeps F.linear's plain path.
-# WIDEN_BF16: a CPU without bf16 instructions (AVX2) runs a bf16 GEMM 5-10x slower than fp32,
-# so there bf16 weights are packed widened to fp32 (the same values) and multiplied in fp32:
-# products summed in fp32 and rounded to bf16, as a native bf16 GEMM does
+# WIDEN_BF16: a CPU without bf16 instructions emulates a bf16 GEMM, several times slower than
+# fp32, so there bf16 weights are packed widened to fp32 (the same values) and multiplied in
+# fp32: products summed in fp32 and rounded to bf16, as a native bf16 GEMM does
 PACKABLE = (torch.float32, torch.bfloat16)
 WIDEN_BF16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 PACK_WEIGHTS = torch.backends.mkldnn.is_available()
@@ -150,13 +150,14 @@ class Batch:
     logits_indices: Tensor       # [S] rows whose next-token logits are wanted, in seqs' order
 
 
-# a group of decodes costs about as much as attending to this many padding blocks more:
-# one K and one V gather and one SDPA call per layer (measured on the CPU with SmolLM2-135M)
+# Decode attention runs over groups of sequences, each gathered from the paged pool and padded
+# to its widest. GROUP_COST_BLOCKS: what a group's fixed cost (one K and one V gather and one
+# SDPA call a layer) is worth in padding blocks; more groups pad less but pay it more often.
+# GATHER_BYTES: the most K and V a group gathers a layer on the CPU, so that SDPA reads the
+# copy from the CPU's cache (a group no larger than the last-level cache); GATHER_MIN: the
+# fewest sequences a group holds, so that their KV heads keep every thread busy in one SDPA
+# call. Re-tune by changing them and timing decode: python -m tools.bench_speed --profile.
 GROUP_COST_BLOCKS = 16
-# on the CPU a group gathers at most this many bytes of K and V a layer, so that SDPA reads the
-# copy from cache: decode steps at 32 x 512 / 1024 tokens 16% / 26% faster (32 MiB L3 here);
-# but at least GATHER_MIN sequences, whose KV heads keep both threads busy in the SDPA call
-# (AVX2 machine: 4 x 3000 / 8 x 2000 tokens 31% / 35% faster than one sequence a call)
 GATHER_BYTES, GATHER_MIN = 4 << 20, 2
 
 
@@ -237,7 +238,7 @@ class Linear(nn.Linear):
     state per input shape, so rows are padded to few counts (padded_rows); the packed copy is
     rebuilt when the weight changes (in place too, unless it is an inference tensor: those keep
     no version count). Costs a second copy of the weights (in fp32 where bf16 weights are
-    widened, WIDEN_BF16 above). A call spends ~15 us of Python on the checks, no more."""
+    widened, WIDEN_BF16 above). A call checks only what can change: a few attribute reads."""
     packed: Tensor | None = None
     packed_of: tuple = ()
 

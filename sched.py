@@ -123,23 +123,27 @@ class StepPlan:
 
 class Policy:
     """FCFS as vLLM v1: arrival order; on a block shortfall the last-admitted running request is
-    preempted by recompute (it goes back to the front of the queue) and nobody is admitted."""
+    preempted by recompute (it goes back to the front of the queue) and nobody is admitted.
+
+    This base declares everything the Scheduler asks of a policy: the class attributes say what
+    the policy can do, the methods decide who goes first, who makes room and who may pass."""
     name = "fcfs"
-    preempt = "recompute"        # or "swap"
+    swaps = False                # preempt by swapping KV to host (else by recompute)
     duplex = False               # DuplexKV: eager write-back, merged copies, overlapped swap-in
-    xfer_cap = "all"             # what B_xfer caps: "all" moves, "proactive" swap-outs, "none"
-    rotates = False              # may rotate running requests out to admit a candidate
-    one_partial_prefill = False  # stop admitting once a prefill is left unfinished this step
-    prealloc_tokens = 0          # slots allocated ahead when a request needs a new block
-    backfill = 0.0               # > 0: a new request that cannot start holds back none behind it
-    PARAMS: dict[str, type] = {}  # what 'name:key=value' may set
+    capped = True                # B_xfer bounds every block it moves in a step (else uncapped)
+    one_partial_prefill = False  # at most one unfinished prefill per step (their vLLM V1's rule)
+    prealloc_tokens = 0          # slots taken ahead whenever a request needs a new block
+    PARAMS: dict[str, type] = {}  # what 'name:key=value' may set: the paper's parameters only
+
+    def __init__(self, ttft_slo: float = 5.0, tbt_slo: float = 0.1):
+        self.ttft_slo, self.tbt_slo = ttft_slo, tbt_slo  # for requests that name none
 
     def rank(self, r: Request, now: float) -> tuple:
         """Smaller is more urgent."""
         return (r.arrival, r.seq)
 
     def queues(self, s: Scheduler, plan: StepPlan, now: float) -> list[list[Request]]:
-        """Requests to admit, most urgent first; admission is strict within each list."""
+        """Requests to admit, most urgent first, one list after another."""
         if plan.preempted or plan.rotated_out:
             return []  # vLLM v1: no admissions in a step that preempted
         return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
@@ -148,15 +152,24 @@ class Policy:
         """The running request to preempt when r cannot get a block (r itself when none)."""
         return s.running[-1]
 
-    def strict(self, c: Request) -> bool:
-        """Does a candidate that cannot start hold back the ones behind it?"""
-        return True
-
     def before_run(self, s: Scheduler, plan: StepPlan, now: float) -> None:
         """Proactive work before the running requests are scheduled (none by default)."""
 
+    def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
+        """May running requests be rotated out so that candidate c fits this step?"""
+        return False
+
+    def victims(self, s: Scheduler, plan: StepPlan, now: float) -> list[Request]:
+        """The running requests that may be rotated out for a candidate, first choice first."""
+        return []
+
+    def may_pass(self, s: Scheduler, c: Request, now: float) -> bool:
+        """Once a candidate of this list could not start, may c, behind it, start in free room?
+        No by default: the queue is strict, as vLLM's are."""
+        return False
+
     def stalled(self, r: Request, now: float) -> bool:
-        """Is rotary r's token gap, now, one the policy counts as a stall?"""
+        """Is rotated-out r's token gap, now, one the policy counts as a stall?"""
         return False
 
 
@@ -175,8 +188,8 @@ class PriorityPolicy(Policy):
 class FcfsSwap(Policy):
     """vLLM v0 with chunked prefill and swap preemption: running requests first, then swapped
     ones (only in a step that preempted nobody), then new prefills; each queue FCFS and strict.
-    Copies go one block-layer at a time, and compute waits for them."""
-    name, preempt, xfer_cap = "fcfs-swap", "swap", "none"
+    Copies go one block-layer at a time, uncapped, and compute waits for them."""
+    name, swaps, capped = "fcfs-swap", True, False
 
     def queues(self, s, plan, now):
         rotary = sorted(s.rotary, key=lambda r: self.rank(r, now))
@@ -184,197 +197,146 @@ class FcfsSwap(Policy):
         return [waiting] if plan.preempted or plan.rotated_out else [rotary, waiting]
 
 
-class RotaSched(Policy):
-    """The paper's RotaSched: Largest-Virtual-Lag-First with DuplexKV. By default (ours, `order`
-    below) the new requests that can still meet their TTFT SLO go first, each group by lag;
-    order=lag is the paper's order.
+class RotaSchedLVF(Policy):
+    """Largest-Virtual-Lag-First, as we read the paper's abstract, with DuplexKV; nothing of ours.
 
-    Virtual lag (seconds behind the SLO-derived bound; running requests are negative):
-        waiting  now - arrival     - beta_f * S_TTFT
-        rotary   now - last token  - beta_b * S_TBT
+    Virtual lag (seconds behind an SLO-derived bound), every step:
+        waiting  ReLU(now - arrival    - beta_f * S_TTFT)
+        rotary   alpha * ReLU(now - last token - beta_b * S_TBT)
         running  -(now - t_admitted)
-    alpha weighs the rotary lag (alpha_on="rotary", DESIGN.md's reading) or the waiting one
-    (alpha_on="waiting"); our sources do not settle which. The lag is clamped at 0 for ranking
-    (the ReLU), so not-yet-due requests tie and go in arrival order. If every queued request
-    fits, it is FCFS. Victims are decodes before mid-prefill requests, the longest-running
-    first (the paper's tail of the VLT order). Ours, not the paper's, each a named parameter:
-      rotations  a request is rotated out for others at most this many times (0 = no limit):
-                 each rotation is one long token gap, so this bounds how many a request sees;
-      back       how a rotated-out request comes back. "fifo": into free room only, from a
-                 queue of its own served before the new requests, oldest first; the first that
-                 does not fit holds the rotated-out ones behind it, not the new ones (vLLM v0's
-                 swapped queue): returning in lag order instead (round robin) splits the time
-                 out into many gaps, each a TBT outlier. "free": into free room only, ranked
-                 with the new requests by lag, holding none up while it waits; "rotate": ranked
-                 likewise, and it may displace running requests like a new one (LVF as
-                 DESIGN.md reads it);
-      gate       "any": a waiting request that does not fit may rotate others out (the paper's
-                 "admit while VLT >= 0" with the ReLU); "due": only once its signed lag is >= 0;
-                 "viable": only while it can still meet its TTFT SLO (rotating for a request
-                 already past it buys no attainment and costs the victims' token gaps);
-      quantum    seconds a request must run before it may be rotated out (0 = off);
-      budget     rotations per token generated, engine-wide, over the last WINDOW tokens or so
-                 (0 = no limit): each rotation is a long gap for its victim, so below 1% of all
-                 gaps they leave the TBT p99 alone;
-      stalls     the TBT tail as a budget: no rotation while the recent stalls (rotated-out
-                 requests that were, or are, out longer than `stall` TBT SLOs; each victim
-                 counts) reach this share of the tokens (0 = no limit). The p99 is 1% of gaps;
-                 0.0075 leaves a quarter of it to the long gaps the load makes anyway;
-      of         those tokens: "admitted", generated so far plus still owed by the requests
-                 on the device or rotated out; "generated", so far only (small early on, so a
-                 burst early in a run may rotate little);
-      out        which rotated-out requests count against it while still out: "all", each one
-                 (a stall to come: under load most are, and several out at once overshoot a
-                 small budget), or "stalled", only those already out longer than `stall`;
-      pick       the victim of a reactive preemption (a running request needs a block): "lag",
-                 the longest-running decode (the tail of the VLT order), or "last", the last
-                 admitted (vLLM's; the newest holds the least KV, so it comes back soonest);
-      backfill   > 0: a new request that cannot start does not hold back the new ones behind
-                 it; those may then start only if their whole prompt fits in the free room
-                 (rotating no one out), they are not yet due (lag < 0: waited under beta_f x
-                 S_TTFT) and their prompt is at most this share of the step's token budget (a
-                 decode step that takes a whole prompt of nearly a budget becomes a full prefill
-                 step, a long gap for every decode in it): short prompts pass a long one in a
-                 burst (which may wait longer); rotated-out requests still return in order. 0:
-                 strict, like the queues of vLLM; 100 (any large value): any prompt that fits;
-      seats      1: a request may be rotated out for a candidate that waits only for a seat
-                 (max_num_seqs) or the token budget, its KV fitting in the free room; 0: only
-                 for one whose KV does not fit (the authors' scheduler swaps out only when free
-                 device blocks run low). Rotating for a seat time-slices a full batch: the
-                 candidate's first token for one long gap of the victim's;
-      order      "lag": new requests by virtual lag (the paper's LVF: the most overdue first);
-                 "viable" (default): those that can still meet their TTFT SLO before those
-                 that cannot, each by lag: more first tokens on time under overload, but a
-                 request already late waits while the others can make it (a longer TTFT tail);
-                 "sjf": as "viable", but each group shortest prompt first, not by lag (ours:
-                 under compute-bound overload more first tokens on time, with no rotation at
-                 all, while long prompts wait: a much longer TTFT tail);
-      patience   with order=viable or sjf, a late request waits behind the others only until
-                 it has waited this many TTFT SLOs, then rejoins them (by lag; with sjf, by
-                 length) (0 = no limit): the bound on that tail;
-      finish     1: no rotation for a new request in a step that computes part of a running
-                 request's prompt (admitted in an earlier step): the new prompt would share that
-                 step and delay the running request's first token, which under chunked prefill
-                 may be due; 2: only in a step that completes such a prompt while its request
-                 can still meet its TTFT SLO (its first token comes this step, and one more
-                 prompt in the step could make it late); 0 (default): rotate in any step.
-    The mechanism adds: a rotation for a new request must give it its first token this step.
-    """
-    name, preempt, duplex, rotates = "rotasched", "swap", True, True
-    CHOICES = {"alpha_on": ("rotary", "waiting"), "back": ("fifo", "free", "rotate"),
-               "gate": ("any", "due", "viable"), "pick": ("lag", "last"), "out": ("all", "stalled"),
-               "of": ("admitted", "generated"), "order": ("lag", "viable", "sjf")}
-    PARAMS = {"alpha": float, "beta_f": float, "beta_b": float, "alpha_on": str, "finish": float,
-              "rotations": float, "budget": float, "back": str, "gate": str, "quantum": float,
-              "stalls": float, "stall": float, "pick": str, "of": str, "out": str,
-              "backfill": float, "seats": float, "order": str, "patience": float}
+    (Which term alpha weighs, and which beta goes with which SLO, is our reading: the abstract
+    does not say.) If the free device blocks hold every queued request, it is FCFS. Otherwise
+    queued requests go largest lag first (ties: arrival), and each may rotate running ones out,
+    from the tail of the order: decodes before mid-prefill requests, the longest-running first.
+    B_xfer caps the blocks moved in a step. A reactive preemption takes the tail's first too.
+    The shared mechanism adds what any rotation needs: a victim has made progress since it came
+    in (no livelock), can come back within one step's B_xfer, and is rotated out only if the
+    candidate then fits and computes its first token this step (a rotation that admits nobody
+    is pure cost)."""
+    name, swaps, duplex = "rotasched-lvf", True, True
+    PARAMS = {"alpha": float, "beta_f": float, "beta_b": float}
 
     def __init__(self, alpha: float = 3.0, beta_f: float = 0.5, beta_b: float = 0.0,
-                 alpha_on: str = "rotary", rotations: float = 1, budget: float = 0,
-                 back: str = "fifo", gate: str = "any", quantum: float = 0.0,
-                 stalls: float = 0.0075, stall: float = 4.0, pick: str = "last",
-                 of: str = "admitted", out: str = "all", backfill: float = 0.75, seats: float = 1,
-                 order: str = "viable", patience: float = 8, finish: float = 0, duplex: bool = True,
                  ttft_slo: float = 5.0, tbt_slo: float = 0.1):
-        for k, v in (("alpha_on", alpha_on), ("back", back), ("gate", gate), ("pick", pick),
-                     ("of", of), ("out", out), ("order", order)):
-            if v not in self.CHOICES[k]:
-                raise ValueError(f"{k} must be one of {', '.join(self.CHOICES[k])}, got {v!r}")
-        self.alpha, self.beta_f, self.beta_b, self.alpha_on = alpha, beta_f, beta_b, alpha_on
-        self.rotations, self.budget, self.back, self.gate = int(rotations), budget, back, gate
-        self.quantum, self.duplex, self.ttft_slo, self.tbt_slo = quantum, duplex, ttft_slo, tbt_slo
-        self.stalls, self.stall, self.pick, self.of, self.out = stalls, stall, pick, of, out
-        self.backfill, self.seats, self.order = backfill, bool(seats), order
-        self.patience, self.finish = patience, finish
+        super().__init__(ttft_slo, tbt_slo)
+        self.alpha, self.beta_f, self.beta_b = alpha, beta_f, beta_b
 
     def lag(self, r: Request, now: float) -> float:
         """Signed lag: negative while a queued request is within its bound."""
         if r.status is Status.RUNNING:
             return -(now - r.t_admitted)
-        rotary = r.status is Status.ROTARY
-        if rotary:
-            raw = now - r.t_last_token - self.beta_b * (r.tbt_slo or self.tbt_slo)
-        else:
-            raw = now - r.arrival - self.beta_f * (r.ttft_slo or self.ttft_slo)
-        return raw * (self.alpha if rotary == (self.alpha_on == "rotary") else 1.0)
+        if r.status is Status.ROTARY:
+            return self.alpha * (now - r.t_last_token - self.beta_b * self.tbt(r))
+        return now - r.arrival - self.beta_f * self.ttft(r)
 
     def vlt(self, r: Request, now: float) -> float:
         lag = self.lag(r, now)
         return lag if r.status is Status.RUNNING else max(0.0, lag)
 
+    def ttft(self, r: Request) -> float:
+        return r.ttft_slo or self.ttft_slo
+
+    def tbt(self, r: Request) -> float:
+        return r.tbt_slo or self.tbt_slo
+
     def rank(self, r, now):
-        late = self.order != "lag" and not self.viable(r, now) and not (  # late, not too late
-            self.patience and now - r.arrival >= self.patience * (r.ttft_slo or self.ttft_slo))
-        return (late, -self.vlt(r, now) if self.order != "sjf" else r.num_prompt, r.arrival, r.seq)
+        return (-self.vlt(r, now), r.arrival, r.seq)
 
     def queues(self, s, plan, now):
         queued = s.waiting + s.rotary
-        if s.fits_all(queued):  # step 1 of LVF: everyone fits, so FCFS
+        if s.fits_all(queued):
             return [sorted(queued, key=lambda r: (r.arrival, r.seq))]
-        if self.back == "fifo":
-            return [sorted(s.rotary, key=lambda r: (r.arrival, r.seq)),
-                    sorted(s.waiting, key=lambda r: self.rank(r, now))]
         return [sorted(queued, key=lambda r: self.rank(r, now))]
 
-    def strict(self, c: Request) -> bool:
-        return self.back != "free" if c.status is Status.ROTARY else not self.backfill
+    def may_rotate_for(self, s, c, now):
+        return s.bm.blocks_for(c.num_tokens) > s.bm.num_free  # rotation frees KV room
 
-    def may_rotate_for(self, s: Scheduler, c: Request, now: float) -> bool:
-        if c.status is Status.ROTARY and self.back != "rotate":
-            return False
-        if not self.seats and s.bm.blocks_for(c.num_tokens) <= s.bm.num_free:
-            return False  # its KV fits: only a seat or the token budget holds it back
-        return {"viable": self.viable(c, now), "due": self.lag(c, now) >= 0}.get(self.gate, True)
+    def victims(self, s, plan, now):
+        ok = [v for v in s.running if v.tokens_since_admit and self.can_go(s, v, now)
+              and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
+        return sorted(ok, key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
+
+    def can_go(self, s: Scheduler, v: Request, now: float) -> bool:
+        """May v be rotated out at all (beyond the mechanism's rules)?"""
+        return True
+
+    def victim(self, s, r, now):
+        others = [v for v in s.running if v is not r and v.tokens_since_admit > 0]
+        return min(others, key=lambda v: (not self.can_go(s, v, now), not v.in_decode,
+                                          self.lag(v, now), v.seq), default=r)
+
+
+class RotaSched(RotaSchedLVF):
+    """The default: LVF plus the additions of ours that the measured claim needs; each one
+    below says what it buys (docs/claim.md: the measurement that kept it).
+
+    - Rotated-out requests come back first, oldest first, into free room only, and never rotate
+      others out: returning by lag splits a request's time out into many long gaps.
+    - A request is rotated out for others at most ROTATIONS times: each rotation is one long
+      token gap for it, so this bounds how many it sees.
+    - The TBT tail as a budget: rotations stop while the recent stalls (rotated-out requests out
+      longer than STALL TBT SLOs, each counted from the moment it leaves) reach STALLS of the
+      tokens generated or owed. The TBT p99 is 1% of the gaps; STALLS leaves most of it to the
+      long gaps the load makes anyway. Lower it for a tighter tail, raise it for more rotation.
+    - New requests that can still meet their TTFT SLO go before those that cannot (each group
+      by lag), until a late one has waited PATIENCE TTFT SLOs: more first tokens on time under
+      overload, with the tail of the late ones bounded.
+    - Behind a new request that cannot start, a short one (a prompt of at most BACKFILL of a
+      step's token budget) that fits whole in free room and is not yet due may start: short
+      prompts pass a long one in a burst, without making a decode step a full prefill step.
+    - A reactive preemption takes the last admitted request, as vLLM does: it holds the least
+      KV, so it comes back soonest."""
+    name = "rotasched"
+    ROTATIONS = 1
+    STALLS, STALL = 0.0075, 4.0
+    PATIENCE = 8.0
+    BACKFILL = 0.75
+
+    def rank(self, r, now):
+        late = not self.viable(r, now) and now - r.arrival < self.PATIENCE * self.ttft(r)
+        return (late, -self.vlt(r, now), r.arrival, r.seq)
 
     def viable(self, c: Request, now: float) -> bool:
         """Can c still meet its TTFT SLO (True once it has its first token)?"""
-        return c.status is not Status.WAITING or now - c.arrival < (c.ttft_slo or self.ttft_slo)
+        return c.status is not Status.WAITING or now - c.arrival < self.ttft(c)
 
-    def spent(self, v: Request) -> bool:
-        """Has v been rotated out as often as it may be?"""
-        return bool(self.rotations) and v.rotations >= self.rotations
+    def queues(self, s, plan, now):
+        if s.fits_all(s.waiting + s.rotary):
+            return super().queues(s, plan, now)
+        return [sorted(s.rotary, key=lambda r: (r.arrival, r.seq)),
+                sorted(s.waiting, key=lambda r: self.rank(r, now))]
 
-    def victims(self, s: Scheduler, plan: StepPlan, now: float) -> list[Request]:
-        """Running requests that may be rotated out, first choice first. A victim must have made
-        progress since it was admitted (no livelock), have run a full time slice, have rotations
-        left, and be able to come back within one step's transfer budget. Each rotation counts
-        against the budgets as it is made: a candidate that needs several victims takes no more
-        than the budgets have left."""
-        if self.finish and any(not r.in_decode and r.t_admitted < now and (self.finish < 2 or (
-                not r.output and r.num_computed + n >= r.num_prompt and now - r.arrival
-                < (r.ttft_slo or self.ttft_slo))) for r, n in plan.chunks.items()):
-            return []  # a running request's prompt is in this step (finish=2: its first token)
-        left = self.budget * s.num_generated - s.num_rotated if self.budget else len(s.running)
-        if self.stalls:
-            used = s.num_stalls + sum(self.out == "all" or self.stalled(r, now) for r in s.rotary)
-            room = self.stalls * self.tokens(s) - used  # out=stalled: a victim is no stall yet
-            left = min(left, room) if self.out == "all" or room <= 0 else left
-        ok = [v for v in s.running if now - v.t_admitted >= self.quantum and v.tokens_since_admit
-              and not self.spent(v) and s.bm.num_blocks(v.rid) <= s.cfg.xfer_budget]
-        ok.sort(key=lambda v: (not v.in_decode, self.lag(v, now), v.seq))
-        return ok[:max(0, math.ceil(left))]
+    def may_rotate_for(self, s, c, now):
+        return c.status is Status.WAITING and super().may_rotate_for(s, c, now)
+
+    def can_go(self, s, v, now):
+        return v.rotations < self.ROTATIONS
+
+    def victims(self, s, plan, now):
+        used = s.num_stalls + len(s.rotary)
+        room = self.STALLS * self.tokens(s) - used
+        return super().victims(s, plan, now)[:max(0, math.ceil(room))]
 
     def tokens(self, s: Scheduler) -> int:
-        """What the stall budget is a share of: the tokens generated so far, and with
-        of=admitted also those the requests on the device or rotated out still owe (they will
-        be generated, so their gaps count towards the tail, while a burst's do not exist yet)."""
-        if self.of == "generated":
-            return s.num_generated
+        """What the stall budget is a share of: the tokens generated so far (recently: see
+        WINDOW) and those the requests on the device or rotated out still owe."""
         return s.num_generated + sum(r.max_tokens - len(r.output) for r in s.running + s.rotary)
 
     def stalled(self, r, now):
-        return now - r.t_last_token > self.stall * (r.tbt_slo or self.tbt_slo)
+        return now - r.t_last_token > self.STALL * self.tbt(r)
+
+    def may_pass(self, s, c, now):
+        return (c.status is Status.WAITING and self.lag(c, now) < 0
+                and c.num_tokens <= self.BACKFILL * s.cfg.max_num_batched_tokens
+                and s.bm.blocks_for(c.num_tokens) <= s.bm.num_free)
 
     def victim(self, s, r, now):
-        if self.pick == "last":
-            return s.running[-1]
-        others = [v for v in s.running if v is not r and v.tokens_since_admit > 0]
-        return min(others, key=lambda v: (self.spent(v), not v.in_decode, self.lag(v, now),
-                                          v.seq), default=r)
+        return s.running[-1]
 
 
 class RotaSchedReleased(Policy):
-    """The authors' released scheduler (SuperInfer, vllm/v1/core/scheduler.py schedule_early):
+    """The authors' released scheduler (SuperInfer, vllm/v1/core/scheduler.py schedule_early).
+    It has no TTFT or TBT target, no virtual lag, no alpha or beta:
     - one FIFO queue of new and swapped-out requests, ordered by when they entered it;
     - proactive: when not every request fits, host KV usage is below 95% and fewer than B_xfer
       device blocks are free, swap out the longest-running decodes while the blocks they hold
@@ -384,18 +346,20 @@ class RotaSchedReleased(Policy):
       reactive preemption unless it also had proactive ones;
     - new requests wait while host KV usage is above 90%; one partial prefill at a time (their
       vLLM V1); every full block written back eagerly, uncapped; no time slice;
-    - `prealloc` tokens of blocks (64) taken ahead whenever a request needs a new block; a
-      swapped-out request's device blocks keep its KV until reused and a swap-in copies only
-      the others (their prefix cache; our block accounting does this for every DuplexKV policy).
-    Ours: their engine runs a request in the step that swaps it in; ours one step later (its copy
-    under the step's forward), so a request is not swapped out again before it has run.
-    """
-    name, preempt, duplex, xfer_cap = "rotasched-released", "swap", True, "proactive"
+    - blocks for 64 tokens taken ahead whenever a request needs a new block (their
+      KVCacheManager); a swapped-out request's device blocks keep its KV until reused and a
+      swap-in copies only the others (their prefix cache; our block accounting does this for
+      every DuplexKV policy).
+    Where ours differs from their engine:
+    - they run a request in the step that swaps it in; we run it one step later (its copy under
+      the step's forward), so a request is not swapped out again before it has run;
+    - they schedule step N + 1 while step N runs, so their decisions see the state one step
+      old; ours see the state after step N;
+    - their reactive preemption branches on scheduler_config.eviction_policy, which their
+      SchedulerConfig does not define; ours swaps the victim out (recompute if it cannot go)."""
+    name, swaps, duplex, capped = "rotasched-released", True, True, False
     one_partial_prefill = True
-    PARAMS = {"prealloc": float}
-
-    def __init__(self, duplex: bool = True, prealloc: float = 64):
-        self.duplex, self.prealloc_tokens = duplex, int(prealloc)  # their KVCacheManager's
+    prealloc_tokens = 64
 
     def rank(self, r, now):
         return (r.t_queued, r.seq)
@@ -422,56 +386,42 @@ class RotaSchedReleased(Policy):
             freed += n
             s.rotate_out(plan, v, proactive=True)
 
-    def victim(self, s, r, now):
-        return s.running[-1]
 
-
-POLICIES = {p.name: p for p in (Policy, FcfsSwap, PriorityPolicy, RotaSched, RotaSchedReleased)}
+POLICIES = {p.name: p for p in (Policy, PriorityPolicy, FcfsSwap, RotaSchedLVF, RotaSched,
+                                RotaSchedReleased)}
 
 
 def make_policy(spec: str, ttft_slo: float = 5.0, tbt_slo: float = 0.1) -> Policy:
-    """A policy from its name, which may carry parameters: 'rotasched:alpha=1,quantum=0.5';
-    'per-layer' (any swapping policy) stands for vLLM v0's per-layer copies instead of DuplexKV."""
+    """A policy from its name; the LVF ones take the paper's parameters: 'rotasched:alpha=1'."""
     name, _, args = spec.partition(":")
     if name not in POLICIES:
         raise ValueError(f"policy: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
-    cls = POLICIES[name]
-    params = {"ttft_slo": ttft_slo, "tbt_slo": tbt_slo} if cls is RotaSched else {}
+    cls, params = POLICIES[name], {}
     for item in filter(None, args.split(",")):
         key, eq, value = item.partition("=")
-        if item == "per-layer" and cls.duplex:
-            params["duplex"] = False
-        elif eq and key in cls.PARAMS:
-            params[key] = parse_param(spec, key, value, cls.PARAMS[key])
-        else:
-            takes = ", ".join([f"{k}=" for k in cls.PARAMS] + ["per-layer"] * cls.duplex)
+        if not (eq and key in cls.PARAMS):
+            takes = ", ".join(f"{k}=" for k in cls.PARAMS)
             raise ValueError(f"policy {spec!r}: cannot read {item!r} ({name} takes "
                              f"{takes or 'nothing'})")
-    return cls(**params)
-
-
-def parse_param(spec: str, key: str, value: str, kind: type):
-    if kind is str:
-        return value
-    try:
-        x = float(value)
-    except ValueError:
-        x = math.nan
-    if not math.isfinite(x) or x < 0:
-        raise ValueError(f"policy {spec!r}: {key} must be a finite number >= 0, got {value!r}")
-    return x
+        try:
+            params[key] = float(value)
+        except ValueError:
+            params[key] = math.nan
+        if not math.isfinite(params[key]) or params[key] < 0:
+            raise ValueError(f"policy {spec!r}: {key} must be a finite number >= 0, got {value!r}")
+    return cls(ttft_slo=ttft_slo, tbt_slo=tbt_slo, **params)
 
 
 # ---------------------------------------------------------------- the mechanism
 
-# RotaSched's budgets (budget, stalls) are shares of the recent history: about the last WINDOW
-# to 2 x WINDOW tokens. Ours: over the whole history, a server that had run calmer loads for a
-# while could stall streams for seconds when overloaded (README, "Serving under load").
+# RotaSched's stall budget is a share of the recent history: about the last WINDOW to
+# 2 x WINDOW tokens. Over the whole history, a server that had run calm loads for hours would
+# bank a budget that lets one overload stall many streams at once.
 WINDOW = 4096
 
 
 class Scheduler:
-    """Continuous batching over two tiers of KV blocks; cfg is an EngineConfig (config.py)."""
+    """Continuous batching over two tiers of KV blocks; cfg is superinfer.EngineConfig."""
 
     def __init__(self, bm: BlockManager, policy: Policy, cfg):
         self.bm, self.policy, self.cfg = bm, policy, cfg
@@ -482,14 +432,15 @@ class Scheduler:
         self.rotary: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        # tokens sampled, rotations out, rotated-in requests the policy saw stalled: recent
-        # history only, all three halved whenever the tokens reach WINDOW (see update)
-        self.num_generated = self.num_rotated = self.num_stalls = 0
+        # tokens sampled and rotated-in requests the policy saw stalled: recent history only,
+        # both halved whenever the tokens reach WINDOW (see update)
+        self.num_generated = self.num_stalls = 0
         self.log = open(cfg.log_path, "w") if cfg.log_path else None
         settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
         self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
                   host_blocks=bm.host.capacity)
         self._seq = itertools.count()
+        self._cap = cfg.xfer_budget if policy.capped else math.inf  # B_xfer, blocks a step
         self._budget = 0                     # tokens left in this step
         self._xfer = 0                       # blocks the transfer budget still allows this step
 
@@ -548,7 +499,7 @@ class Scheduler:
     # ------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan(self.bm.epoch, now, landed=self.bm.landed)
-        self._budget, self._xfer = self.cfg.max_num_batched_tokens, self.cfg.xfer_budget
+        self._budget, self._xfer = self.cfg.max_num_batched_tokens, self._cap
         self.policy.before_run(self, plan, now)
         self._run(plan, now)
         for queue in self.policy.queues(self, plan, now):
@@ -583,48 +534,44 @@ class Scheduler:
         return True
 
     def _admit(self, plan: StepPlan, queue: list[Request], now: float) -> None:
-        """Step 2: admit or rotate in, in order, until one does not fit (and the policy holds
-        the ones behind it back; with backfill those behind it may start in free room only)."""
-        held = False
+        """Step 2: start candidates in order, rotating the policy's victims out where it may.
+        Once one cannot start, those behind it start only if the policy lets them pass it (in
+        free room, rotating no one)."""
+        passed = False
         for c in queue:
-            if self._budget <= 0 or self._partial_prefill(plan) or (held and not self.bm.num_free):
+            if self._budget <= 0 or self._partial_prefill(plan) or (passed and not self.bm.num_free):
                 return
-            if c.status is Status.WAITING and self._hold_new(c):
-                continue
-            if c.rid in plan.rotated_out:
-                continue  # its copy out is in flight: not back in the same step
-            victims = self._victims_for(plan, c, now, passed=held)
+            if c.status is Status.WAITING and self._hold_new(c) or c.rid in plan.rotated_out:
+                continue  # held by admission control, or its copy out is still in flight
+            if passed:
+                free = Room(self.bm.num_free, self._budget, 0, 0)
+                ok = self.policy.may_pass(self, c, now) and self._fits(plan, c, free, 0)
+                victims = [] if ok else None
+            else:
+                victims = self._victims_for(plan, c, now)
             if victims is None:
-                if self.policy.strict(c):
-                    return
-                held = held or c.status is Status.WAITING  # only backfill makes new ones lax
+                passed = True
                 continue
             for v in victims:
                 self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
             self._start(plan, c, now)
 
-    def _victims_for(self, plan: StepPlan, c: Request, now: float,
-                     passed: bool = False) -> list[Request] | None:
+    def _victims_for(self, plan: StepPlan, c: Request, now: float) -> list[Request] | None:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
-        or None if it cannot fit even with every eligible victim. Once a candidate was passed
-        over (backfill), c may start only whole in free room, and a new one only while it is
-        not yet due and its prompt is short (RotaSched's backfill)."""
+        or None if it cannot fit even with every victim the policy offers. All or none: a
+        rotation that admits nobody is pure cost."""
         cost = Room(self.bm.num_free, self._budget, 0, 0)
-        if passed and (self.bm.blocks_for(c.num_tokens) > cost.room or c.status is Status.WAITING
-                       and (self.policy.lag(c, now) >= 0 or c.num_tokens
-                            > self.policy.backfill * self.cfg.max_num_batched_tokens)):
-            return None
         if self._fits(plan, c, cost, 0):
             return []
-        if passed or not (self.policy.rotates and self.policy.may_rotate_for(self, c, now)):
+        if not self.policy.may_rotate_for(self, c, now):
             return None
         chosen: list[Request] = []
-        for v in self.policy.victims(self, plan, now):  # none started this step: see victims()
-            drop = plan.chunks.get(v, 0)
+        for v in self.policy.victims(self, plan, now):  # none started this step: they had no
+            drop = plan.chunks.get(v, 0)                 # token since they came in
             e = self.bm.swap_out_effect(v.rid, drop)
             more = Room(cost.room + e.room, cost.budget + drop, cost.host + e.host_need,
                         cost.moves + e.copies)
-            if more.host > self.bm.host.num_free or not self._may_move(more.moves):
+            if more.host > self.bm.host.num_free or more.moves > self._xfer:
                 continue  # this victim cannot go: try the next
             cost = more
             chosen.append(v)
@@ -643,10 +590,7 @@ class Scheduler:
             return False  # a new request computes when admitted; a rotation buys its first token
         return (self.bm.blocks_for(c.num_computed + n) <= cost.room
                 and len(self.running) - victims < self.cfg.max_num_seqs
-                and cost.host <= self.bm.host.num_free and self._may_move(moves))
-
-    def _may_move(self, blocks: int) -> bool:
-        return self.policy.xfer_cap != "all" or blocks <= self._xfer
+                and cost.host <= self.bm.host.num_free and moves <= self._xfer)
 
     def _first_chunk(self, c: Request, budget: int) -> int:
         """Tokens c computes in the step it is started: none for a swap-in that overlaps compute
@@ -661,7 +605,7 @@ class Scheduler:
         if c.status is Status.ROTARY:
             self.num_stalls += self.policy.stalled(c, now)
             pairs = self.bm.swap_in(c.rid)
-            self._count_moves(len(pairs), proactive=False)
+            self._xfer -= len(pairs)
             plan.swap_in += pairs
             self.rotary.remove(c)
             plan.rotated_in.append(c.rid)
@@ -692,11 +636,9 @@ class Scheduler:
         """Reactive preemption: rotate r out if the policy swaps and r can go, else recompute."""
         self._unschedule(plan, r)
         e = self.bm.swap_out_effect(r.rid)
-        capped = self.policy.xfer_cap == "all"
-        if (self.policy.preempt == "swap" and e.host_need <= self.bm.host.num_free
-                and (not capped or (e.copies <= self._xfer
-                                    and self.bm.num_blocks(r.rid) <= self.cfg.xfer_budget))):
-            self.rotate_out(plan, r)  # capped: it must be able to come back in one step
+        if (self.policy.swaps and e.host_need <= self.bm.host.num_free and e.copies <= self._xfer
+                and self.bm.num_blocks(r.rid) <= self._cap):
+            self.rotate_out(plan, r)  # it must be able to come back within one step's B_xfer
         else:  # no host room or transfer budget: recompute, never stall
             self.bm.free(r.rid)
             self.running.remove(r)
@@ -711,27 +653,21 @@ class Scheduler:
         for_rid names the candidate the room is for."""
         self._unschedule(plan, r)
         pairs = self.bm.swap_out(r.rid)
-        self._count_moves(len(pairs), proactive)
+        self._xfer -= len(pairs)
         plan.swap_out += pairs
         self.running.remove(r)
         self.rotary.append(r)
         r.status, r.t_queued = Status.ROTARY, plan.now
         r.rotations += 1
-        self.num_rotated += 1
         plan.rotated_out.append(r.rid)
         if proactive:
             plan.proactive.append(r.rid)
         if for_rid is not None:
             plan.rotated_for[r.rid] = for_rid
 
-    def _count_moves(self, n: int, proactive: bool) -> None:
-        cap = self.policy.xfer_cap
-        if cap == "all" or (cap == "proactive" and proactive):
-            self._xfer -= n
-
     def _hold_new(self, r: Request) -> bool:
         """Admission control: hold new requests back while host KV is nearly full."""
-        return (self.policy.preempt == "swap" and r.num_computed == 0 and self.bm.host.capacity > 0
+        return (self.policy.swaps and r.num_computed == 0 and self.bm.host.capacity > 0
                 and self.bm.usage("host") > self.cfg.host_admit_limit)
 
     def _partial_prefill(self, plan: StepPlan) -> bool:
@@ -751,23 +687,21 @@ class Scheduler:
         copies only what is still dirty. Host room for rotations is kept in reserve."""
         if not self.policy.duplex:
             return
-        capped = self.policy.xfer_cap == "all"
+        capped = self._cap < math.inf
         reserve = int((1 - self.cfg.host_admit_limit) * self.bm.host.capacity) if capped else 0
         for r in self.running:
-            limit = self._xfer if capped else math.inf
-            if limit <= 0:
+            if self._xfer <= 0:
                 return
             # full blocks of what earlier steps computed (this step's tokens are not written yet)
-            pairs = self.bm.writeback(r.rid, r.num_computed, limit, reserve)
+            pairs = self.bm.writeback(r.rid, r.num_computed, self._xfer, reserve)
             plan.swap_out += pairs
-            self._count_moves(len(pairs), proactive=False)
+            self._xfer -= len(pairs)
 
     def _check(self, plan: StepPlan) -> None:
         cfg = self.cfg
         assert plan.num_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
         assert len(self.running) <= cfg.max_num_seqs, "batch too large"
-        if self.policy.xfer_cap == "all":
-            assert plan.blocks_moved <= cfg.xfer_budget, "transfer budget exceeded"
+        assert plan.blocks_moved <= self._cap, "transfer budget exceeded"
         for r, n in plan.chunks.items():
             assert r.status is Status.RUNNING and n > 0 and r.num_computed + n <= r.num_tokens
 
@@ -796,8 +730,8 @@ class Scheduler:
                 continue
             finished.append(r)
         if self.num_generated >= WINDOW:  # a long-running server's calm hours must not pay
-            self.num_generated, self.num_rotated, self.num_stalls = (  # for stalls under load
-                n // 2 for n in (self.num_generated, self.num_rotated, self.num_stalls))
+            self.num_generated, self.num_stalls = (  # for stalls under load
+                self.num_generated // 2, self.num_stalls // 2)
         self._log(event="step", step=self.num_steps - 1, now=plan.now, done=now,
                   landed=plan.landed, **plan.decisions(), stopped=stopped)
         return finished

@@ -62,32 +62,60 @@ def check_float(name: str, value, lo: float = 0.0, hi: float = math.inf,
         raise ConfigError(f"{name} must be in {left}{lo:g}, {hi:g}{right}, got {value}")
 
 
+def setting(default, help: str, kind: type = str, lo=None, hi=None):
+    """One engine setting, stated once: its default, its --help text, its type and bounds
+    (EngineConfig checks them; the CLI, the server and bench.py make their flags from them)."""
+    return field(default=default, metadata={"help": help, "kind": kind, "lo": lo, "hi": hi})
+
+
+U64 = 2**64 - 1
+
+
 @dataclass
 class EngineConfig:
     """Every engine setting, its one default and its validation: the engine, LLM, the CLI, the
     server, bench.py and the simulator all read their settings from here."""
-    model: str | None = None                 # HF checkpoint dir or .gguf; None: embedded SmolLM2
-    policy: str = "rotasched"                # may carry parameters: "rotasched:alpha=1"
-    device: str | None = None                # None: cuda if available, else cpu
-    dtype: object = None                     # None: float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16                     # tokens per KV block
-    num_device_blocks: int | None = None     # None: 80% of free GPU memory, 256 MiB on CPU
-    num_host_blocks: int | None = None       # None: 2x device, within a quarter of free RAM
-    max_num_seqs: int = 32                   # requests in one batch
-    max_num_batched_tokens: int = 512        # tokens computed in one step
-    xfer_budget: int = 2400                  # B_xfer: blocks moved per step
-    swap_watermark: int | None = None        # rotasched-released: act below this many free
-                                             # blocks (their proactive_swap_budget); None: B_xfer
-    ttft_slo: float = 5.0                    # seconds; per-request values override
-    tbt_slo: float = 0.1
-    host_admit_limit: float = 0.9            # hold new requests while host KV is fuller
-    swap_in_overlap: bool | None = None      # a swapped-in request runs one step later, its copy
-                                             # under the step's forward; None: on CUDA only
-    tensor_parallel_size: int = 1
-    seed: int | None = None                  # engine seed for requests without their own
-    log_path: str | None = None              # JSON-lines schedule log
+    model: str | None = setting(None, "HF Llama checkpoint directory or .gguf file (default: "
+                                "the embedded SmolLM2-135M-Instruct)")
+    policy: str = setting("rotasched", "fcfs, priority, fcfs-swap, rotasched-lvf, rotasched, "
+                          "rotasched-released; the paper's parameters as in "
+                          "'rotasched:alpha=1,beta_f=0.3'")
+    device: str | None = setting(None, "cpu, cuda or cuda:N (default: cuda if available)")
+    dtype: object = setting(None, "float32, bfloat16 or float16 (default: float32 on CPU, "
+                            "bfloat16 on GPU)")
+    block_size: int = setting(16, "tokens per KV block", int, 1, 4096)
+    num_device_blocks: int | None = setting(None, "KV blocks on the device (default: 80%% of "
+                                            "free GPU memory, 256 MiB on a CPU)", int, 1, U64)
+    num_host_blocks: int | None = setting(None, "KV blocks in host memory (default: twice the "
+                                          "device pool, within a quarter of free RAM)", int, 0, U64)
+    max_num_seqs: int = setting(32, "requests in one batch", int, 1)
+    max_num_batched_tokens: int = setting(512, "tokens computed in one step", int, 1)
+    xfer_budget: int = setting(2400, "B_xfer: KV blocks moved per step", int, 0)
+    swap_watermark: int | None = setting(None, "rotasched-released: swap out when fewer blocks "
+                                         "are free (their proactive_swap_budget; default: B_xfer)",
+                                         int, 0, U64)
+    ttft_slo: float = setting(5.0, "time-to-first-token SLO, seconds (per-request values "
+                              "override it)", float, 0.0)
+    tbt_slo: float = setting(0.1, "time-between-tokens SLO, seconds", float, 0.0)
+    host_admit_limit: float = setting(0.9, "hold new requests while host KV usage is above this "
+                                      "fraction", float, 0.0, 1.0)
+    swap_in_overlap: bool | None = setting(None, "on: a swapped-in request runs one step later, "
+                                           "its copy under the forward; off: it runs at once and "
+                                           "compute waits (default: on for CUDA)", bool)
+    tensor_parallel_size: int = setting(1, "ranks to shard the model over", int, 1, 64)
+    seed: int | None = setting(None, "engine seed for requests without their own", int,
+                               -2**63, U64)
+    log_path: str | None = setting(None, "write the JSON-lines schedule log here")
 
     def __post_init__(self):
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["kind"] is int:
+                check_int(f.name, value, meta["lo"], meta["hi"], allow_none=f.default is None)
+            elif meta["kind"] is float:
+                check_float(f.name, value, meta["lo"], meta["hi"] or math.inf)
+            elif meta["kind"] is bool and value not in (None, True, False):
+                raise ConfigError(f"{f.name} must be true, false or None, got {value!r}")
         for name in ("model", "log_path"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path or None, got {getattr(self, name)!r}")
@@ -99,23 +127,9 @@ class EngineConfig:
             self.dtype = dtype_name(self.dtype)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        check_int("block_size", self.block_size, 1, 4096)
-        for name, lo in (("num_device_blocks", 1), ("num_host_blocks", 0), ("swap_watermark", 0),
-                         ("seed", -2**63)):
-            check_int(name, getattr(self, name), lo, 2**64 - 1, allow_none=True)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            check_int(name, getattr(self, name), 1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                               f">= max_num_seqs ({self.max_num_seqs}): each sequence needs a token")
-        check_int("xfer_budget", self.xfer_budget, 0)
-        check_float("ttft_slo", self.ttft_slo)
-        check_float("tbt_slo", self.tbt_slo)
-        check_float("host_admit_limit", self.host_admit_limit, 0.0, 1.0)
-        if self.swap_in_overlap not in (None, True, False):
-            raise ConfigError(f"swap_in_overlap must be true, false or None, got "
-                              f"{self.swap_in_overlap!r}")
-        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
 
     @classmethod
     def from_kwargs(cls, **kw) -> "EngineConfig":
@@ -136,32 +150,6 @@ class Parser(argparse.ArgumentParser):
 
 
 ON_OFF = {"on": True, "off": False}
-FLAGS = {  # EngineConfig field -> (type or choices, help)
-    "model": (str, "HF Llama checkpoint directory or .gguf file (default: the embedded "
-                   "SmolLM2-135M-Instruct)"),
-    "policy": (str, "fcfs, fcfs-swap, priority, rotasched, rotasched-released; parameters as in "
-                    "'rotasched:quantum=0.5'"),
-    "device": (str, "cpu, cuda or cuda:N (default: cuda if available)"),
-    "dtype": (str, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)"),
-    "block_size": (int, "tokens per KV block"),
-    "num_device_blocks": (int, "KV blocks on the device (default: 80%% of free GPU memory, "
-                               "256 MiB on a CPU)"),
-    "num_host_blocks": (int, "KV blocks in host memory (default: twice the device pool)"),
-    "max_num_seqs": (int, "requests in one batch"),
-    "max_num_batched_tokens": (int, "tokens computed in one step"),
-    "xfer_budget": (int, "B_xfer: KV blocks moved per step"),
-    "swap_watermark": (int, "rotasched-released: swap out when fewer blocks are free (default: "
-                            "B_xfer, as in the authors' code)"),
-    "ttft_slo": (float, "time-to-first-token SLO, seconds"),
-    "tbt_slo": (float, "time-between-tokens SLO, seconds"),
-    "host_admit_limit": (float, "hold new requests while host KV usage is above this fraction"),
-    "swap_in_overlap": (list(ON_OFF), "on: a swapped-in request runs one step later, its copy "
-                        "under the forward; off: it runs at once and compute waits (default: on "
-                        "for CUDA)"),
-    "tensor_parallel_size": (int, "ranks to shard the model over"),
-    "seed": (int, "engine seed for requests without their own"),
-    "log_path": (str, "write the JSON-lines schedule log here"),
-}
 
 
 def add_engine_flags(ap: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults) -> None:
@@ -170,10 +158,10 @@ def add_engine_flags(ap: argparse.ArgumentParser, skip: tuple[str, ...] = (), **
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
-        kind, text = FLAGS[f.name]
+        kind, text = f.metadata["kind"], f.metadata["help"]
         default = defaults.get(f.name, f.default)
         flag = "--log" if f.name == "log_path" else "--" + f.name.replace("_", "-")
-        typed = {"choices": kind} if isinstance(kind, list) else {"type": kind}
+        typed = {"choices": list(ON_OFF)} if kind is bool else {"type": kind}
         group.add_argument(flag, dest=f.name, default=default, **typed,
                            help=f"{text} (default: {default})" if default is not None else text)
 
@@ -285,39 +273,48 @@ class Sequence:
 def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
            width: int = 4096) -> list[int | None]:
     """One token per row; None where the row's logits are not finite. Greedy rows take the
-    argmax; the others sample in float64 by inverse CDF over the vocabulary in its own order,
-    one uniform draw from the request's own generator (a seed gives the same tokens whatever
-    the batch). A row that filters keeps its top k tokens, then the nucleus of top_p within
-    them (renormalised): every token as likely as the last one kept, ties too (as vLLM's top-k
-    does). Those are found among the `width` likeliest (torch.topk) when these hold them all,
-    else by sorting the vocabulary (32 rows of 49,152 logits: 19-30 ms here, 103 with the sort)."""
-    dev = logits.device  # the filtering runs where the logits are; the draws on CPU generators
+    argmax; the others draw in float64 by inverse CDF over the vocabulary in its own order,
+    one uniform number from the request's own generator (a seed gives the same tokens whatever
+    the batch), after top-k and top-p filtering (keep_likeliest)."""
     top, out = logits.max(-1)  # the first maximum, as argmax; NaN if the row holds one
     out, ok = out.tolist(), (top.isfinite() & logits.amin(-1).isfinite()).tolist()
     rows = [i for i, p in enumerate(params) if ok[i] and p.temperature >= GREEDY_EPS]
     if rows:
-        q, vocab = [params[i] for i in rows], logits.shape[-1]
-        col = lambda xs, **kw: torch.tensor(xs, device=dev, **kw)[:, None]
-        probs = (logits[rows].double() / col([p.temperature for p in q],
-                                              dtype=torch.float64)).softmax(-1)
-        sub = [j for j, p in enumerate(q) if 0 < p.top_k < vocab or p.top_p < 1]
-        if sub:
-            ps, top_p = probs[sub], col([q[j].top_p for j in sub], dtype=torch.float64)
-            k = col([q[j].top_k if 0 < q[j].top_k < vocab else vocab for j in sub])
-            for w in (min(vocab, int(k.where(k < vocab, width).max())), vocab):  # w >= all k
-                p = ps.topk(w, dim=-1).values.masked_fill(torch.arange(w, device=dev) >= k, 0)
-                c = p.cumsum(-1)  # p: the w likeliest, most likely first, zero beyond k
-                cut = top_p * torch.where(k < vocab, c[:, -1:], ps.sum(-1, keepdim=True))
-                if ((k <= w) | (c[:, -1:] > cut)).all():
-                    break  # every row's kept tokens are among these w
-            t = p.masked_fill((c - p > cut) | (p == 0), math.inf).amin(-1, keepdim=True)
-            probs[sub] = ps.masked_fill(ps < t, 0.0)
+        q = [params[i] for i in rows]
+        temps = torch.tensor([p.temperature for p in q], dtype=torch.float64, device=logits.device)
+        probs = (logits[rows].double() / temps[:, None]).softmax(-1)
+        probs = keep_likeliest(probs, [p.top_k for p in q], [p.top_p for p in q], width)
         cdf = probs.cumsum(-1)
         u = torch.stack([torch.rand((), dtype=torch.float64, generator=gens[i]) for i in rows])
-        pick = torch.searchsorted(cdf, (u.to(dev) * cdf[:, -1])[:, None]).clamp(max=vocab - 1)
-        for i, tok in zip(rows, pick[:, 0].tolist()):
+        pick = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None])
+        for i, tok in zip(rows, pick[:, 0].clamp(max=cdf.shape[-1] - 1).tolist()):
             out[i] = tok
     return [t if ok[i] else None for i, t in enumerate(out)]
+
+
+def keep_likeliest(probs: torch.Tensor, top_k: list[int], top_p: list[float],
+                   width: int) -> torch.Tensor:
+    """Each row's probabilities zeroed outside its top k tokens and, within those (renormalised),
+    outside the nucleus of top_p: every token as likely as the last one kept stays, ties too
+    (as vLLM's top-k). Only rows that filter are touched. Their kept tokens are found among the
+    `width` likeliest (torch.topk) when these hold them all, else by sorting the vocabulary
+    (several times slower)."""
+    dev, vocab = probs.device, probs.shape[-1]
+    sub = [j for j, (k, p) in enumerate(zip(top_k, top_p)) if 0 < k < vocab or p < 1]
+    if not sub:
+        return probs
+    col = lambda xs, **kw: torch.tensor(xs, device=dev, **kw)[:, None]
+    ps, nucleus = probs[sub], col([top_p[j] for j in sub], dtype=torch.float64)
+    k = col([top_k[j] if 0 < top_k[j] < vocab else vocab for j in sub])
+    for w in (min(vocab, int(k.where(k < vocab, width).max())), vocab):  # w >= every k
+        p = ps.topk(w, dim=-1).values.masked_fill(torch.arange(w, device=dev) >= k, 0)
+        c = p.cumsum(-1)  # p: the w likeliest, most likely first, zero beyond k
+        cut = nucleus * torch.where(k < vocab, c[:, -1:], ps.sum(-1, keepdim=True))
+        if ((k <= w) | (c[:, -1:] > cut)).all():
+            break  # every row's kept tokens are among these w
+    least = p.masked_fill((c - p > cut) | (p == 0), math.inf).amin(-1, keepdim=True)
+    probs[sub] = ps.masked_fill(ps < least, 0.0)
+    return probs
 
 
 class Engine:

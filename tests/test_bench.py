@@ -122,10 +122,10 @@ def row(policy, ttft, tbt, p99, tok, rot=0, pre=0):
 
 def test_verdict_names_the_best_rotating_policy_and_flags_harm():
     rows = [row("fcfs", 0.3, 0.9, 0.5, 30, pre=5), row("rotasched", 0.6, 0.88, 0.6, 31, rot=9),
-            row("rotasched:quantum=0.5", 0.8, 0.9, 1.2, 30, rot=4)]
+            row("rotasched-lvf", 0.8, 0.9, 1.2, 30, rot=4)]
     lines = verdict(rows)
-    assert "best rotating policy rotasched:quantum=0.5" in lines[0] and "+50.0 points" in lines[0]
-    assert any("rotasched:quantum=0.5 does harm: TBT p99 1200 ms is 2.4x" in x for x in lines)
+    assert "best rotating policy rotasched-lvf" in lines[0] and "+50.0 points" in lines[0]
+    assert any("rotasched-lvf does harm: TBT p99 1200 ms is 2.4x" in x for x in lines)
     calm = verdict([row("fcfs", 1.0, 0.95, 0.2, 30), row("rotasched", 1.0, 0.95, 0.2, 30)])
     assert any("no KV pressure" in x for x in calm)
     assert harms(row("fcfs", 0.95, 0.9, 0.2, 30), row("rotasched", 0.85, 0.9, 0.2, 27)) == [

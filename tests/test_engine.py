@@ -64,7 +64,7 @@ def reference_tokens(smollm):
 
 @pytest.mark.parametrize("policy,deferred,overlap", [
     ("fcfs", False, None), ("fcfs-swap", False, None), ("rotasched", False, None),
-    ("rotasched-released", False, None), ("rotasched:quantum=0.2,alpha_on=waiting", False, None),
+    ("rotasched-released", False, None), ("rotasched-lvf:alpha=1", False, None),
     ("rotasched", True, False), ("rotasched", True, True), ("fcfs-swap", True, None)])
 def test_rotation_is_invisible(smollm, reference_tokens, policy, deferred, overlap):
     """Greedy fp32 tokens are the same for every policy with a pool so small that requests are

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sched
-from sched import POLICIES, Request, RotaSched, Scheduler, Status, StepPlan, make_policy
+from sched import (POLICIES, Request, RotaSched, RotaSchedLVF, RotaSchedReleased, Scheduler,
+                   Status, StepPlan, make_policy)
 from superinfer import EngineConfig
 from tools import schedlog
 from tools.sim import MODELS, CostModel, Hardware, run_policy, simulate
@@ -23,7 +24,7 @@ def check_step(s: Scheduler, plan):
     cfg = s.cfg
     assert plan.num_tokens <= cfg.max_num_batched_tokens
     assert len(plan.chunks) <= cfg.max_num_seqs
-    if s.policy.xfer_cap == "all":
+    if s.policy.capped:
         assert plan.blocks_moved <= cfg.xfer_budget
     for r in s.running:
         assert r.status is Status.RUNNING and not s.bm.seqs[r.rid].on_host
@@ -51,12 +52,7 @@ def check_step(s: Scheduler, plan):
 
 workload = st.lists(st.tuples(st.floats(0, 2), st.integers(1, 40), st.integers(1, 20),
                               st.integers(0, 2)), min_size=1, max_size=25)
-POLICY_SPECS = sorted(POLICIES) + ["rotasched:quantum=0.1", "rotasched:alpha_on=waiting",
-                                   "rotasched:per-layer", "rotasched-released:per-layer",
-                                   "rotasched:backfill=0", "rotasched:back=free",
-                                   "rotasched:seats=0", "rotasched:order=lag",
-                                   "rotasched:order=viable,patience=0",
-                                   "rotasched:order=viable,patience=2"]
+POLICY_SPECS = sorted(POLICIES) + ["rotasched-lvf:alpha=1,beta_f=0", "rotasched:beta_b=0.5"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -122,7 +118,7 @@ def test_head_of_line_blocking(policy):
 # ---------------------------------------------------------------- RotaSched: lag and victims
 
 def test_vlt_hand_worked():
-    p = RotaSched(alpha=3, beta_f=0.5, beta_b=0, ttft_slo=5.0, tbt_slo=0.1)
+    p = RotaSchedLVF(alpha=3, beta_f=0.5, beta_b=0, ttft_slo=5.0, tbt_slo=0.1)
     w = Request("w", 4, 4, arrival=10.0)
     assert p.vlt(w, 11.0) == 0.0 and p.lag(w, 11.0) == pytest.approx(-1.5)  # 1.5 s of slack
     assert p.lag(w, 12.5) == 0.0                                           # due from here
@@ -135,13 +131,11 @@ def test_vlt_hand_worked():
     assert p.vlt(run, 20.5) == pytest.approx(-2.5)
     order = sorted([w, rot, run], key=lambda r: p.rank(r, 20.5))
     assert [r.rid for r in order] == ["w", "rot", "run"]  # w: 20.5 - 10 - 0.5 = 10 > 1.5
-    waiting_alpha = RotaSched(alpha=3, alpha_on="waiting", ttft_slo=5.0, tbt_slo=0.1)
-    assert waiting_alpha.vlt(w, 14.0) == pytest.approx(10.5)  # alpha on the waiting lag
-    assert waiting_alpha.vlt(rot, 20.5) == pytest.approx(0.5)
+    assert RotaSchedLVF(alpha=1, beta_b=1).vlt(rot, 20.5) == pytest.approx(0.4)  # 0.5 - 0.1
 
 
 def test_lvf_ties_broken_by_arrival():
-    p = RotaSched()
+    p = RotaSchedLVF()
     a, b = Request("b", 4, 4, arrival=1.0), Request("a", 4, 4, arrival=2.0)
     assert [r.rid for r in sorted([b, a], key=lambda r: p.rank(r, 1.5))] == ["b", "a"]
 
@@ -149,8 +143,8 @@ def test_lvf_ties_broken_by_arrival():
 def rotation_setup(policy="rotasched", arrival=0.0, prompt=20, **kw):
     """Three running decodes (7 tokens in the cache, first block written back) hold 6 of 10
     blocks; r1 has run longest. A new request of `prompt` tokens arrives; 20 need 5 blocks."""
-    s = make_sched(policy, dev=10, host=64, bs=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   ttft_slo=1.0, tbt_slo=0.1, **kw)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, ttft_slo=1.0, tbt_slo=0.1) | kw
+    s = make_sched(policy, dev=10, host=64, bs=4, **kw)
     for i in range(3):
         s.add(Request(f"r{i}", 6, 16, 0.0))
     step_once(s, 0.0)
@@ -160,106 +154,61 @@ def rotation_setup(policy="rotasched", arrival=0.0, prompt=20, **kw):
     return s
 
 
-def test_rotasched_rotates_the_longest_running_decode_for_a_new_request():
-    s = rotation_setup(policy="rotasched:gate=due")  # "new" is due at 0.5 s (beta_f * S_TTFT)
-    plan = s.schedule(0.3)
-    assert not plan.rotated_out and not plan.admitted      # not due: no rotation for it
-    s = rotation_setup()                   # gate=any (the default): it need not be due
+@pytest.fixture
+def no_stall_budget(monkeypatch):
+    monkeypatch.setattr(RotaSched, "STALLS", 1e9)
+
+
+@pytest.mark.parametrize("policy", ["rotasched-lvf", "rotasched"])
+def test_rotasched_rotates_the_longest_running_decode_for_a_new_request(policy):
+    s = rotation_setup(policy)             # "new" need not be due: the ReLU'd lag admits it
     plan = s.schedule(0.3)                 # r1 frees its clean block: 4 + 1 = 5
     assert plan.rotated_out == ["r1"] and plan.rotated_for == {"r1": "new"}
     assert plan.admitted == ["new"] and s.requests["r1"] not in plan.chunks
     assert len(s.bm.fenced) == 1          # r1's dirty block waits for its copy to land
 
 
-@pytest.mark.parametrize("seats", [0, 1])
-def test_seats_0_rotates_only_for_kv_room(seats):
-    """With every seat taken (3 of 3), a short prompt whose KV fits in the 4 free blocks is
-    waiting for a seat only: seats=1 rotates for it, seats=0 does not; a 20-token prompt
-    (5 blocks) needs KV room and is rotated for either way."""
-    for prompt, rotates in ((4, bool(seats)), (20, True)):
-        s = rotation_setup(policy=f"rotasched:seats={seats}", prompt=prompt)
+@pytest.mark.parametrize("policy", ["rotasched-lvf", "rotasched"])
+def test_rotation_frees_kv_room_not_seats(policy):
+    """With every seat taken (3 of 3), a short prompt whose KV fits in the 4 free blocks waits
+    for a seat only, and nobody is rotated out for it; a 20-token prompt (5 blocks) needs KV
+    room and is rotated for."""
+    for prompt, rotates in ((4, False), (20, True)):
+        s = rotation_setup(policy, prompt=prompt)
         s.cfg.max_num_seqs = 3
         plan = s.schedule(0.3)
         assert (plan.rotated_out == ["r1"]) is rotates and bool(plan.admitted) is rotates
         assert len(s.running) == 3
 
 
-@pytest.mark.parametrize("order,first", [("order=lag", "new"), ("order=viable,patience=0", "fresh"),
-                                         ("order=viable,patience=10", "fresh"),
-                                         ("order=viable,patience=4", "new"),
-                                         ("", "fresh")])  # the default: viable, patience 8
-def test_order_viable_serves_requests_that_can_still_meet_their_ttft_slo_first(order, first):
-    """"new" arrived 5.3 s ago (past its 1 s TTFT SLO); "fresh", as long, 0.1 s ago. Room for one
-    (r1 rotated out): the paper's LVF takes the largest lag, order=viable the one that can still
-    make it, unless the late one has waited `patience` TTFT SLOs."""
-    s = rotation_setup(policy=f"rotasched:stalls=0,{order}", arrival=-5.0)
+@pytest.mark.parametrize("policy,arrival,first", [
+    ("rotasched-lvf", -5.0, "new"), ("rotasched", -5.0, "fresh"), ("rotasched", -9.0, "new")])
+def test_the_default_serves_requests_that_can_still_meet_their_ttft_slo_first(
+        policy, arrival, first, no_stall_budget):
+    """"new" is past its 1 s TTFT SLO; "fresh", as long, arrived 0.1 s ago. Room for one (r1
+    rotated out): LVF takes the largest lag, the default the one that can still make it,
+    unless the late one has waited PATIENCE (8) TTFT SLOs."""
+    s = rotation_setup(policy, arrival=arrival)
     s.add(Request("fresh", 20, 4, 0.2))
     plan = s.schedule(0.3)
     assert plan.admitted == [first] and plan.rotated_for == {"r1": first}
 
 
-def test_order_sjf_starts_the_shortest_prompt_first():
-    """"new" (24 tokens, 6 blocks) waits longer than "short" (12, 3 blocks; 4 are free): by lag
-    "new" starts first and rotates two decodes out for it; order=sjf starts "short" in the free
-    room and rotates no one."""
-    for spec, first, out in (("rotasched:stalls=0", "new", ["r1", "r0"]),
-                             ("rotasched:stalls=0,order=sjf", "short", [])):
-        s = rotation_setup(policy=spec, prompt=24)
-        s.add(Request("short", 12, 4, 0.2))
-        plan = s.schedule(0.3)
-        assert plan.admitted == [first] and plan.rotated_out == out, (spec, plan)
-
-
 def test_backfill_lets_a_short_request_pass_a_head_that_cannot_start():
-    """quantum=100: nobody may be rotated out, so "new" (5 blocks, 4 free) cannot start. The
-    step's budget is 64 tokens: a passed prompt of 12 may start with backfill >= 12 / 64."""
-    for spec, started in (("rotasched:quantum=100,backfill=0", []),
-                          ("rotasched:quantum=100,backfill=0.125", []),  # at most 8 tokens
-                          ("rotasched:quantum=100,backfill=0.1875", ["short"]),  # 12
-                          ("rotasched:quantum=100", ["short"])):   # the default, 0.75: 48
-        s = rotation_setup(policy=spec)
-        s.add(Request("short", 12, 4, 0.1))
+    """B_xfer is 1 block, so no 2-block decode may be rotated out and "new" (5 blocks, 4 free)
+    cannot start. A prompt of at most 0.75 of the step's token budget that fits whole in free
+    room may pass it (the default); LVF's queue is strict."""
+    for policy, prompt, budget, started in (("rotasched-lvf", 12, 64, []),
+                                            ("rotasched", 12, 64, ["short"]),
+                                            ("rotasched", 16, 20, [])):   # 16 > 0.75 x 20
+        s = rotation_setup(policy, xfer_budget=1, max_num_batched_tokens=budget)
+        s.add(Request("short", prompt, 4, 0.1))
         plan = s.schedule(0.3)
-        assert plan.admitted == started and not plan.rotated_out, (spec, plan)
-    s = rotation_setup(policy="rotasched:stalls=0")  # new can rotate r1 out: no pass
+        assert plan.admitted == started and not plan.rotated_out, (policy, prompt, plan)
+    s = rotation_setup()                   # new can rotate r1 out: no pass
     s.add(Request("short", 4, 4, 0.1))
     plan = s.schedule(0.3)
     assert plan.admitted[0] == "new" and plan.rotated_for["r1"] == "new"
-    # "new" is past its TTFT SLO, so gate=viable rotates no one out for it; "mid" could rotate
-    # r1 out, but behind a passed-over head only free room may be used: "short" fits in it
-    # (order=lag keeps the late "new" at the head; order=viable would put "mid" first)
-    for spec, started in (("rotasched:gate=viable,stalls=0,backfill=0,order=lag", []),
-                          ("rotasched:gate=viable,stalls=0,order=lag", ["short"])):
-        s = rotation_setup(policy=spec, arrival=-5.0)
-        s.add(Request("mid", 20, 4, 0.1))
-        s.add(Request("short", 4, 4, 0.2))
-        plan = s.schedule(0.3)
-        assert plan.admitted == started and not plan.rotated_out, (spec, plan)
-
-
-def test_finish_holds_a_rotation_while_a_running_prompt_finishes():
-    """Three seats: two decodes and "long", whose 24-token prompt takes two steps of a 16-token
-    budget. "new" needs a seat, which a rotation could give it in the step that computes the
-    rest of long's prompt; finish=1 waits until that first token is out, and so does finish=2
-    while long can still meet its TTFT SLO (not with an SLO of 0.05 s, already missed)."""
-    for spec, slo, first in (("rotasched", None, 0.15), ("rotasched:finish=1", None, 0.2),
-                             ("rotasched:finish=2", None, 0.2),
-                             ("rotasched:finish=2", 0.05, 0.15)):
-        s = make_sched(spec, dev=32, max_num_seqs=3, max_num_batched_tokens=16, ttft_slo=1.0,
-                       tbt_slo=0.1)
-        for i in range(2):
-            s.add(Request(f"r{i}", 6, 16, 0.0))
-        step_once(s, 0.0)
-        step_once(s, 0.05)
-        s.add(Request("long", 24, 4, 0.06, ttft_slo=slo))
-        assert step_once(s, 0.1).chunks[s.requests["long"]] == 14
-        s.add(Request("new", 4, 4, 0.12))
-        for now in (0.15, 0.2):
-            plan = step_once(s, now)
-            assert (plan.admitted == ["new"]) == (now == first), (spec, now, plan)
-            assert bool(plan.rotated_out) == (now == first)
-            if now == 0.15:  # the rest of long's prompt, either way
-                assert plan.chunks[s.requests["long"]] == 10
 
 
 def test_a_passed_request_starts_only_whole_and_only_while_it_is_not_yet_due():
@@ -267,108 +216,57 @@ def test_a_passed_request_starts_only_whole_and_only_while_it_is_not_yet_due():
     room that others wait for), and a request already due (waited beta_f x S_TTFT = 0.5 s
     here) does not pass: it may rotate others out once it is the head."""
     s = rotation_setup()
-    s._budget = 5                        # 5 tokens left this step: 2 blocks of the 4 free
-    s.add(Request("mid", 20, 4, 0.1))    # 5 blocks whole
-    s.add(Request("short", 8, 4, 0.1))   # 2 blocks whole
-    plan, (mid, short) = StepPlan(s.bm.epoch, 0.3), (s.requests["mid"], s.requests["short"])
-    assert s._victims_for(plan, mid, 0.3) == [] and s._victims_for(plan, short, 0.3) == []
-    assert s._victims_for(plan, mid, 0.3, passed=True) is None
-    assert s._victims_for(plan, short, 0.3, passed=True) == []
-    assert s._victims_for(plan, short, 0.59, passed=True) == []
-    assert s._victims_for(plan, short, 0.61, passed=True) is None
-    # the due limit is for new requests: a rotated-out one (back=free ranks it with them) whose
-    # lag is never negative may still come back behind a passed-over head, if it fits whole
-    s = rotation_setup(policy="rotasched:back=free")
-    assert step_once(s, 0.6).rotated_out == ["r1"]
-    s.abort("new")
-    r1 = s.requests["r1"]
-    assert s.policy.lag(r1, 0.7) > 0
-    assert s._victims_for(StepPlan(s.bm.epoch, 0.7), r1, 0.7, passed=True) == []
+    mid, short = Request("mid", 20, 4, 0.1), Request("short", 8, 4, 0.1)
+    s.add(mid)                             # 5 blocks whole, 4 free
+    s.add(short)                           # 2 blocks whole
+    assert not s.policy.may_pass(s, mid, 0.3)
+    assert s.policy.may_pass(s, short, 0.3) and s.policy.may_pass(s, short, 0.59)
+    assert not s.policy.may_pass(s, short, 0.61)
+    s.rotary.append(s.requests["r0"])      # a rotated-out request returns in its own queue
+    s.requests["r0"].status = Status.ROTARY
+    assert not s.policy.may_pass(s, s.requests["r0"], 0.3)
 
 
-def test_gate_viable_rotates_only_for_a_request_that_can_still_meet_its_ttft_slo():
-    """S_TTFT is 1 s here: at 0.9 s "new" can still make it, at 1.2 s it cannot."""
-    assert rotation_setup(policy="rotasched:gate=viable").schedule(0.9).rotated_out == ["r1"]
-    plan = rotation_setup(policy="rotasched:gate=viable").schedule(1.2)
-    assert not plan.rotated_out and not plan.admitted
-    assert rotation_setup().schedule(1.2).rotated_out == ["r1"]     # gate=any still does
-
-
-def test_rotation_budget_caps_rotations_per_generated_token():
-    s = rotation_setup(policy="rotasched:budget=0.1")   # 6 tokens so far: 0.6 rotations
-    assert s.num_generated == 6 and s.schedule(0.3).rotated_out == ["r1"]
-    s = rotation_setup(policy="rotasched:budget=0.1")
-    s.num_rotated = 1                                   # the budget is spent
-    plan = s.schedule(0.3)
-    assert not plan.rotated_out and not plan.admitted
-
-
-def test_stall_budget_caps_long_gaps_per_generated_token():
-    """stalls: no rotation for a candidate once rotated-out requests that were, or are, out
-    longer than `stall` TBT SLOs reach that share of the tokens so far (of=generated: 6 here)."""
-    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")  # 1.2 stalls allowed
+def test_stall_budget_caps_long_gaps_per_token():
+    """No rotation for a candidate once the stalls (rotated-out requests that came back after
+    more than STALL TBT SLOs, and every one still out) reach STALLS of the tokens generated
+    or owed: 6 + 3 x 14 = 48 here."""
+    s = rotation_setup()                   # 0.0075 x 48 = 0.36 stalls allowed: one rotation
+    assert s.policy.tokens(s) == 6 + 3 * 14
     assert s.schedule(0.3).rotated_out == ["r1"]
-    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")
-    s.num_stalls = 2                                        # two came back after a stall
+    s = rotation_setup()
+    s.num_stalls = 1                       # one came back after a stall
     plan = s.schedule(0.3)
     assert not plan.rotated_out and not plan.admitted
-    s = rotation_setup(policy="rotasched:stalls=0.2,stall=4,of=generated,out=stalled")
-    s.num_stalls = 1
-    assert step_once(s, 0.3).rotated_out == ["r1"]          # 1 + r1 out now: 2 >= 1.2 ...
+    s = rotation_setup(prompt=24)          # 24 tokens need two victims; the budget has one
+    assert not s.schedule(0.3).rotated_out
     r1 = s.requests["r1"]
-    assert not s.policy.stalled(r1, r1.t_last_token + 0.4)  # ... once r1 is out > 4 x 0.1 s
+    assert not s.policy.stalled(r1, r1.t_last_token + 0.4)  # out > 4 x 0.1 s is a stall
     assert s.policy.stalled(r1, r1.t_last_token + 0.41)
-    assert s.policy.victims(s, None, r1.t_last_token + 0.3)  # 1 stall + r1 not yet: 1 < 1.2
-    assert s.policy.victims(s, None, r1.t_last_token + 0.5) == []   # 1 + r1 stalled: 2
-    s.policy.out = "all"                                     # out=all (the default): r1 counts
-    assert s.policy.victims(s, None, r1.t_last_token + 0.3) == []   # from the moment it left
-    s.num_stalls = 0
-    assert s.policy.victims(s, None, r1.t_last_token + 0.3)  # 0 + r1: 1 < 1.2
-    s = rotation_setup(policy="rotasched:stalls=0")          # 0 = no limit
-    s.num_stalls = 99
-    assert s.schedule(0.3).rotated_out == ["r1"]
 
 
-def test_stall_budget_counts_each_victim_of_one_candidate():
+def test_stall_budget_counts_each_victim_of_one_candidate(monkeypatch):
     """A candidate that needs several victims takes no more than the stall budget has left:
-    each rotation counts as it is made (a burst's long prompt once rotated five decodes out
-    for itself while the budget had room for two)."""
-    for stalls, prompt, out in ((0.2, 24, ["r1", "r0"]), (0.1, 24, []), (0.1, 20, ["r1"])):
-        s = rotation_setup(policy=f"rotasched:stalls={stalls},of=generated", prompt=prompt)
-        plan = s.schedule(0.3)              # 6 tokens: 1.2 or 0.6 stalls allowed; a victim
-        assert plan.rotated_out == out      # frees 1 block now, 24 tokens need two victims
+    each rotation counts as it is made."""
+    for stalls, prompt, out in ((0.03, 24, ["r1", "r0"]), (0.02, 24, []), (0.02, 20, ["r1"])):
+        monkeypatch.setattr(RotaSched, "STALLS", stalls)   # x 48 tokens: 1.44 or 0.96
+        s = rotation_setup(prompt=prompt)
+        plan = s.schedule(0.3)             # a victim frees 1 block now, 24 tokens need two
+        assert plan.rotated_out == out
         assert plan.admitted == (["new"] if out else [])
 
 
-def test_stall_budget_of_admitted_counts_the_tokens_still_owed():
-    """of=admitted (the default): the share is of the tokens generated (6) plus those the
-    running and rotated-out requests still owe (3 x 14), not of those still waiting."""
-    s = rotation_setup(policy="rotasched:stalls=0.2")       # 0.2 x 48 = 9.6 stalls allowed
-    assert s.policy.tokens(s) == 6 + 3 * 14
-    s.num_stalls = 9
-    assert s.schedule(0.3).rotated_out == ["r1"]
-    s = rotation_setup(policy="rotasched:stalls=0.2")
-    s.num_stalls = 10
-    assert not s.schedule(0.3).rotated_out
-
-
-def test_the_budgets_count_recent_history_only(monkeypatch):
-    """The tokens, rotations and stalls the budgets are shares of are halved together whenever
-    the tokens reach sched.WINDOW, so a server's calm past does not pay for stalls now."""
+def test_the_stall_budget_counts_recent_history_only(monkeypatch):
+    """The tokens and stalls the budget is a share of are halved together whenever the tokens
+    reach sched.WINDOW, so a server's calm past does not pay for stalls now."""
     monkeypatch.setattr(sched, "WINDOW", 16, raising=False)
-    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")
+    monkeypatch.setattr(RotaSched, "STALLS", 0.2)
+    s = rotation_setup()
     s.abort("new")
-    s.num_generated, s.num_rotated, s.num_stalls = 1000, 40, 2   # a long, calm past
+    s.num_generated, s.num_stalls = 1000, 40                      # a long, calm past
     for k in range(10):
         step_once(s, 0.1 + 0.01 * k)                              # 3 tokens a step
-    assert s.num_generated < 16 and s.num_rotated == s.num_stalls == 0
-    s.num_stalls = 3                                              # three stalls just now
-    s.add(Request("new2", 20, 4, 0.2))
-    assert not s.schedule(0.3).rotated_out                        # 3 >= 0.2 x (< 16)
-    monkeypatch.setattr(sched, "WINDOW", 10**9, raising=False)  # the whole past counted:
-    s = rotation_setup(policy="rotasched:stalls=0.2,of=generated")
-    s.num_generated, s.num_stalls = 1000, 5                       # 5 < 0.2 x 1000
-    assert s.schedule(0.3).rotated_out == ["r1"]
+    assert s.num_generated < 16 and s.num_stalls == 0
 
 
 def test_a_stall_is_counted_when_a_rotated_out_request_comes_back_late():
@@ -385,24 +283,25 @@ def test_a_stall_is_counted_when_a_rotated_out_request_comes_back_late():
     assert s.num_stalls == 1
 
 
-@pytest.mark.parametrize("pick", ["lag", "last"])
-def test_reactive_preemption_victim(pick):
-    """A running request that needs a block preempts the last admitted (pick=last, vLLM's) or
-    the longest-running decode (pick=lag, the tail of the VLT order)."""
-    s = make_sched(f"rotasched:pick={pick}", dev=6, host=64, bs=4, max_num_seqs=8,
-                   max_num_batched_tokens=64, ttft_slo=1.0, tbt_slo=0.1)
+@pytest.mark.parametrize("policy", ["rotasched-lvf", "rotasched"])
+def test_reactive_preemption_victim(policy):
+    """A running request that needs a block preempts the longest-running decode (LVF: the tail
+    of its order) or the last admitted (the default, as vLLM)."""
+    s = make_sched(policy, dev=6, host=64, bs=4, max_num_seqs=8, max_num_batched_tokens=64,
+                   ttft_slo=1.0, tbt_slo=0.1)
     for i in range(3):
         s.add(Request(f"r{i}", 7, 16, 0.0))       # 2 blocks each: the pool is full
     step_once(s, 0.0)
     step_once(s, 0.05)                            # every one needs its third block now
     s.requests["r1"].t_admitted = -5.0            # r1 has run longest
     plan = step_once(s, 0.1)
-    assert plan.rotated_out == (["r2"] if pick == "last" else ["r1"]) and not plan.proactive
+    assert plan.rotated_out == (["r2"] if policy == "rotasched" else ["r1"])
+    assert not plan.proactive
 
 
 def test_rotation_is_all_or_nothing():
     """Victims that cannot make room for the candidate are not rotated out at all."""
-    s = rotation_setup(prompt=30)          # 8 blocks: 4 free + 1 clean block per victim = 7
+    s = rotation_setup("rotasched-lvf", prompt=30)  # 8 blocks: 4 free + 1 clean a victim = 7
     plan = s.schedule(0.9)
     assert not plan.rotated_out and not plan.admitted and s.bm.num_free == 4
 
@@ -415,40 +314,37 @@ def test_rotation_respects_host_room_and_transfer_budget():
     assert not s.schedule(0.9).rotated_out
 
 
-def test_a_request_is_rotated_out_at_most_rotations_times():
-    s = rotation_setup(policy="rotasched:rotations=1")
+def test_a_request_is_rotated_out_at_most_once_by_the_default(no_stall_budget):
+    s = rotation_setup()
     s.requests["r1"].rotations = 1             # r1 has had its one rotation: r0 goes instead
     plan = s.schedule(0.9)
     assert plan.rotated_out and "r1" not in plan.rotated_out
-    s = rotation_setup(policy="rotasched:rotations=1")
+    s = rotation_setup()
     for r in s.running:
         r.rotations = 1
     assert not s.schedule(0.9).rotated_out     # nobody may go: the new request waits
-    s = rotation_setup(policy="rotasched:rotations=0")  # 0 = no limit
+    s = rotation_setup("rotasched-lvf")        # LVF: no limit
     s.requests["r1"].rotations = 9
     assert s.schedule(0.9).rotated_out == ["r1"]
 
 
-@pytest.mark.parametrize("back", ["fifo", "free", "rotate"])
-def test_a_parked_request_comes_back_into_free_room_or_by_rotation(back):
-    """back=fifo/free: a rotary request never displaces anyone (free: nor holds the queue
-    behind it; fifo: it holds only the rotary queue, tested below); back=rotate: it may
-    displace running requests, and a candidate that cannot start holds the rest back (strict
-    LVF order; a new request holds back no one with backfill, the default)."""
-    s = rotation_setup(policy=f"rotasched:back={back}")
+@pytest.mark.parametrize("policy", ["rotasched-lvf", "rotasched"])
+def test_a_parked_request_comes_back_by_rotation_or_into_free_room(policy):
+    """LVF: a rotated-out request ranks with the new ones by lag and may rotate running ones
+    out like them; the default: it comes back into free room only."""
+    s = rotation_setup(policy)
     assert step_once(s, 0.6).rotated_out == ["r1"]         # for "new"
-    r1, p = s.requests["r1"], s.policy
-    assert p.may_rotate_for(s, r1, 0.7) == (back == "rotate")
-    assert p.strict(r1) == (back != "free") and p.strict(s.requests["new"]) == (not p.backfill)
+    r1 = s.requests["r1"]
+    assert s.policy.may_rotate_for(s, r1, 0.7) == (policy == "rotasched-lvf")
     s.abort("new")                                          # room again: r1 simply comes back
     plan = step_once(s, 0.7)
     assert plan.rotated_in == ["r1"] and not plan.rotated_out
 
 
-def test_back_fifo_returns_rotated_out_requests_oldest_first_ahead_of_new_ones():
+def test_the_default_returns_rotated_out_requests_oldest_first_ahead_of_new_ones():
     """The oldest rotary request comes back first although the younger has been out longer
-    (lag order would be round robin); while it does not fit it holds the younger one back,
-    and a new request that fits is admitted from its own queue."""
+    (lag order, LVF's, would be round robin); while it does not fit it holds the younger one
+    back, and a new request that fits is admitted from its own queue."""
     s = make_sched("rotasched", dev=10, host=64, bs=4, max_num_seqs=8,
                    max_num_batched_tokens=64, ttft_slo=1.0, tbt_slo=0.1)
     old, young = Request("old", 34, 4, 0.0), Request("young", 2, 4, 1.0)
@@ -460,21 +356,11 @@ def test_back_fifo_returns_rotated_out_requests_oldest_first_ahead_of_new_ones()
         r.status, r.t_last_token, r.num_computed = Status.ROTARY, out_since, r.num_prompt
         s.rotary.append(r)
     s.waiting.append(new)
-    for back, first in (("fifo", "old"), ("free", "young")):
-        s.policy = make_policy(f"rotasched:back={back}", 1.0, 0.1)
-        queues = s.policy.queues(s, StepPlan(0, 3.0), 3.0)
-        assert queues[0][0].rid == first
-    s.policy = make_policy("rotasched", 1.0, 0.1)           # back=fifo, the default
+    lvf = make_policy("rotasched-lvf", 1.0, 0.1)
+    assert lvf.queues(s, StepPlan(0, 3.0), 3.0)[0][0].rid == "young"
     assert [[r.rid for r in q] for q in s.policy.queues(s, StepPlan(0, 3.0), 3.0)] == [
         ["old", "young"], ["new"]]
-    assert s.policy.strict(old) and not s.policy.may_rotate_for(s, old, 3.0)
-
-
-def test_time_slice_protects_recently_admitted_requests():
-    s = rotation_setup(policy="rotasched:quantum=10")
-    assert not s.schedule(0.9).rotated_out      # nobody has run 10 s
-    s = rotation_setup(policy="rotasched:quantum=2")
-    assert s.schedule(0.9).rotated_out == ["r1"]  # r1 has run 5.9 s
+    assert not s.policy.may_pass(s, young, 3.0) and not s.policy.may_rotate_for(s, old, 3.0)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -573,8 +459,9 @@ def test_fcfs_swap_resumes_swapped_before_new_prefills():
 
 # ---------------------------------------------------------------- the released scheduler
 
-def test_released_swaps_longest_running_decodes_under_the_watermark():
-    s = preemption_setup("rotasched-released:prealloc=0")  # exact block counts, no spares
+def test_released_swaps_longest_running_decodes_under_the_watermark(monkeypatch):
+    monkeypatch.setattr(RotaSchedReleased, "prealloc_tokens", 0)  # exact counts, no spares
+    s = preemption_setup("rotasched-released")
     s.cfg.xfer_budget = 8                       # watermark: act below 8 free blocks
     s.requests["r1"].t_admitted = 1.0           # r1 has run longest, then r0 and r2
     s.add(Request("late", 20, 2, 3.0))          # not everyone fits
@@ -597,8 +484,8 @@ def test_released_fifo_by_time_in_queue_and_host_hold():
 
 # ---------------------------------------------------------------- API, log, errors
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "fcfs-swap", "rotasched",
-                                    "rotasched:quantum=0.1,alpha_on=waiting", "rotasched-released"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fcfs-swap", "rotasched", "rotasched-lvf",
+                                    "rotasched-released"])
 def test_schedule_log_replays_exactly_and_diff_finds_the_first_difference(tmp_path, policy):
     path = tmp_path / "run.jsonl"
     s = make_sched(policy, dev=128, host=2048, bs=4, max_num_seqs=16, max_num_batched_tokens=64,
@@ -694,8 +581,8 @@ def test_invalid_policy_params():
         make_policy("rotasched:alpha=-1")
     with pytest.raises(ValueError, match="alpha must be a finite number"):
         make_policy("rotasched:alpha=nan")
-    with pytest.raises(ValueError, match="alpha_on must be"):
-        make_policy("rotasched:alpha_on=both")
+    with pytest.raises(ValueError, match="cannot read 'rotations=2'"):
+        make_policy("rotasched:rotations=2")    # only the paper's parameters are settable
     with pytest.raises(ValueError, match="unknown policy 'lifo'"):
         make_policy("lifo")
     with pytest.raises(ValueError, match="fcfs takes nothing"):
@@ -712,12 +599,13 @@ def test_duplicate_and_empty_requests():
 
 
 def test_policy_spec_parameters():
-    p = make_policy("rotasched:alpha=1,quantum=0.5,alpha_on=waiting")
-    assert (p.alpha, p.quantum, p.duplex, p.alpha_on) == (1.0, 0.5, True, "waiting")
-    assert make_policy("rotasched").quantum == 0.0          # the paper has no time slice
-    assert make_policy("rotasched-released:per-layer").duplex is False
+    p = make_policy("rotasched-lvf:alpha=1,beta_f=0.25,beta_b=2", ttft_slo=2.0, tbt_slo=0.2)
+    assert (p.alpha, p.beta_f, p.beta_b, p.ttft_slo, p.tbt_slo) == (1.0, 0.25, 2.0, 2.0, 0.2)
+    assert type(make_policy("rotasched:alpha=1")) is RotaSched
     with pytest.raises(ValueError, match="cannot read 'gamma=1'"):
         make_policy("rotasched:gamma=1")
+    with pytest.raises(ValueError, match="rotasched-released takes nothing"):
+        make_policy("rotasched-released:alpha=1")
 
 
 # ---------------------------------------------------------------- doing no harm

@@ -131,45 +131,12 @@ def test_claim_sweep_writes_judged_files_and_reruns_one_policy(tmp_path, capsys)
     with pytest.raises(SystemExit):
         claim.main(args + ["--policies", "nope"])
     capsys.readouterr()
-    claim.main(args + ["--ablate", "rotasched:rotations=1;rotasched:gate=viable"])
+    claim.main(args + ["--ablate", "rotasched-lvf;rotasched:alpha=1"])
     out = capsys.readouterr().out
-    assert "_conv rotasched:rotations=1: best TTFT gain" in out and "gate=viable: best" in out
+    assert "_conv rotasched-lvf: best TTFT gain" in out and "rotasched:alpha=1: best" in out
     abl = json.loads((tmp_path / "ablation_conv.json").read_text())
-    assert sorted(r["policy"] for r in abl) == ["rotasched:gate=viable", "rotasched:rotations=1"]
+    assert sorted(r["policy"] for r in abl) == ["rotasched-lvf", "rotasched:alpha=1"]
     assert {r["rate"] for r in abl} == {before["fcfs"]["rate"]}  # the sweep's arrivals
     with pytest.raises(SystemExit):
         claim.main(args + ["--ablate", "rotasched:nope=1"])
     capsys.readouterr()
-    frontier_of_the_sweep(tmp_path, capsys)
-
-
-def frontier_of_the_sweep(folder, capsys):
-    """tools.frontier: each variant's best gain and worst p99 per setting, from the sweep and
-    the ablation, and on the CPU bench's workload replayed in the simulator."""
-    import json
-    from tools import frontier
-    run = {"rate": 1.2, "num_requests": 12, "ttft_slo_s": 1.4, "tbt_slo_s": 0.27, "seed": 0,
-           "trace_offset": 0, "num_device_blocks": 48, "num_host_blocks": 4096}
-    (folder / "bench.json").write_text(json.dumps([run]))
-    frontier.main(["--dir", str(folder), "--slices", "1", "--bench-json",
-                   str(folder / "bench.json")])
-    points = json.loads((folder / "frontier.json").read_text())
-    assert set(points) == {"gh200-96:qwen2.5-32b", frontier.CPU}
-    assert set(points[frontier.CPU]) == set(points["gh200-96:qwen2.5-32b"]) == {
-        "rotasched", "rotasched:gate=viable", "rotasched:rotations=1"}
-    sc = points["gh200-96:qwen2.5-32b"]["rotasched"]
-    assert {"gain", "gain_swap", "p99", "harms"} <= set(sc) and sc["p99"] > 0
-    assert points[frontier.CPU]["rotasched"]["slices"] == 1
-    assert (folder / "frontier.png").stat().st_size > 0
-    lines = capsys.readouterr().out.splitlines()
-    assert any(ln.startswith(frontier.CPU) and " rotasched " in ln for ln in lines)
-    with pytest.raises(SystemExit):
-        frontier.main(["--dir", str(folder / "none")])
-
-
-def test_the_frontier_plot_labels_the_variants_no_other_beats_on_both_axes():
-    from tools.frontier import undominated
-    pts = {"a": {"gain": 10, "p99": 1.0}, "b": {"gain": 5, "p99": 2.0},   # b: a beats it
-           "c": {"gain": 20, "p99": 3.0}, "d": {"gain": 10, "p99": 1.0},  # d ties a: both stay
-           "e": {"gain": 20, "p99": 3.5}}                                  # e: c beats it
-    assert undominated(pts) == {"a", "c", "d"}

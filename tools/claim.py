@@ -6,8 +6,8 @@ TBT and throughput", judged at every rate from calm to twice saturation, in the 
 
 For each setting (hardware x model) and workload class (the trace's conversation lengths,
 prefill-heavy, decode-heavy, and the conversation lengths with bursty arrivals) it runs fcfs,
-fcfs-swap, rotasched and rotasched-released on the same arrivals at multiples of the setting's
-saturation rate, writes one JSON file per (setting, workload) whose rows carry every setting
+fcfs-swap, rotasched-lvf, rotasched and rotasched-released on the same arrivals at multiples of
+the setting's saturation rate, writes one JSON file per (setting, workload) whose rows carry every setting
 they were run with, one PNG per workload (rows: settings; columns: TTFT attainment, TBT
 attainment, TBT p99 against rate), and prints the verdict of the claim's rules per file:
 do no harm at every rate (workload.metrics.harms) and, at the best rate, a TTFT gain over fcfs
@@ -32,7 +32,7 @@ from workload.trace import WORKLOADS, reshape
 SETTINGS = ("gh200-96:llama-3-8b", "gh200-96:qwen2.5-32b", "gh200-144:llama-3-8b",
             "gh200-144:qwen2.5-32b")
 CLASSES = {**{w: (w, 1.0) for w in WORKLOADS}, "bursty": ("conv", 0.1)}  # -> lengths, burstiness
-POLICIES = ("fcfs", "fcfs-swap", "rotasched", "rotasched-released")
+POLICIES = ("fcfs", "fcfs-swap", "rotasched-lvf", "rotasched", "rotasched-released")
 # best-rate TTFT gain goals (points over fcfs, over fcfs-swap): where KV capacity binds, and on
 # GH200-144 with Llama-3-8B, which is mostly compute-bound with these lengths
 GAINS = {"gh200-144:llama-3-8b": (25.0, 10.0)}
@@ -70,7 +70,8 @@ def score(rows: list[dict], policy: str = "rotasched") -> dict:
     """One policy against fcfs and fcfs-swap over a file's rates: its best TTFT gains (points),
     worst TBT p99 and throughput ratios to fcfs's, and every do-no-harm shortfall."""
     by = {(r["policy"], r["rate"]): r for r in rows}
-    out = {"gain": -100.0, "gain_swap": -100.0, "p99": 0.0, "throughput": 9.0, "harms": []}
+    out = {"gain": -100.0, "gain_swap": -100.0, "p99": 0.0, "throughput": 9.0, "harms": [],
+           "ttft_p99": 0.0}
     for rate in sorted({r["rate"] for r in rows if r["policy"] == policy}):
         mine, base, swap = by[(policy, rate)], by[("fcfs", rate)], by.get(("fcfs-swap", rate))
         out["harms"] += [f"rate {rate:g}: {h}" for h in harms(base, mine, swap)]
@@ -79,6 +80,7 @@ def score(rows: list[dict], policy: str = "rotasched") -> dict:
             out["gain_swap"] = max(out["gain_swap"],
                                    100 * (mine["ttft_attainment"] - swap["ttft_attainment"]))
         out["p99"] = max(out["p99"], mine["tbt_p99_s"] / max(base["tbt_p99_s"], 1e-9))
+        out["ttft_p99"] = max(out["ttft_p99"], mine["ttft_p99_s"] / max(base["ttft_p99_s"], 1e-9))
         out["throughput"] = min(out["throughput"],
                                 mine["throughput_tok_s"] / max(base["throughput_tok_s"], 1e-9))
     return out
@@ -141,9 +143,11 @@ def parse_args(argv):
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="the policies to run; the other rows are read from the JSON files already "
                          "in --out (to rerun rotasched alone after changing it)")
+    ap.add_argument("--table", action="store_true",
+                    help="print the markdown table of the files in --out (run nothing)")
     ap.add_argument("--ablate", default=None,
-                    help="';'-separated policy variants, e.g. 'rotasched:rotations=1;"
-                         "rotasched:gate=viable': run each on the arrivals of the files in --out, "
+                    help="';'-separated policies, e.g. 'rotasched-lvf:alpha=1;rotasched:beta_f=0':"
+                         " run each on the arrivals of the files in --out, "
                          "judge it by the same rules against their fcfs and fcfs-swap rows, write "
                          "ablation_WORKLOAD.json there")
     args = ap.parse_args(argv)
@@ -220,6 +224,8 @@ def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.ablate is not None:
         return ablate(args)
+    if args.table:
+        return table(kept_rows(argparse.Namespace(**{**vars(args), "policies": []})), args)
     os.makedirs(args.out, exist_ok=True)
     t, rows = time.perf_counter(), kept_rows(args)
     try:
@@ -234,6 +240,25 @@ def main(argv=None) -> None:
         print(f"\nclaim: interrupted; {len(rows)} finished runs kept", file=sys.stderr)
     report(rows, args)
     print(f"{len(rows)} simulated runs in {time.perf_counter() - t:.0f} s; results in {args.out}")
+
+
+def table(rows: list[dict], args) -> None:
+    """Per file and rotating policy, at its best rate: the TTFT attainment gain over fcfs and
+    fcfs-swap (points); over all rates: the worst TBT p99, TTFT p99 and throughput ratios to
+    fcfs's, and whether every do-no-harm rule held."""
+    print("| setting | workload | policy | gain vs fcfs | vs fcfs-swap | TBT p99 | TTFT p99 "
+          "| throughput | rules |\n|---|---|---|---|---|---|---|---|---|")
+    for s in args.settings:
+        for w in args.workloads:
+            mine = [r for r in rows if r["setting"] == s and r["workload"] == w]
+            for pol in [p for p in POLICIES if p.startswith("rotasched")]:
+                if not any(r["policy"] == pol for r in mine):
+                    continue
+                sc = score(mine, pol)
+                rules = "held" if not sc["harms"] else f"{len(sc['harms'])} broken"
+                print(f"| {s} | {w} | {pol} | {sc['gain']:+.1f} | {sc['gain_swap']:+.1f} | "
+                      f"{sc['p99']:.2f}x | {sc['ttft_p99']:.2f}x | {sc['throughput']:.3f}x | "
+                      f"{rules} |")
 
 
 def report(rows: list[dict], args) -> None:

@@ -177,7 +177,8 @@ class Hardware:
 
 GB = 1e9
 PROFILES = {h.name: h for h in (
-    # GH200 (DESIGN.md section 8): H100 with 96 GB HBM3 or 144 GB HBM3e + Grace over NVLink-C2C
+    # GH200: H100 with 96 GB HBM3 or 144 GB HBM3e + Grace over NVLink-C2C (450 GB/s a way
+    # nominal, ~200 measured with large segments, ~384 both ways together)
     Hardware("gh200-96", 989e12, 4.0e12, 96 * GB, 400 * GB, 200 * GB, 384 * GB, 3e-6, 7.6e-3),
     Hardware("gh200-144", 989e12, 4.9e12, 144 * GB, 400 * GB, 200 * GB, 384 * GB, 3e-6, 7.6e-3),
     # PCIe cards: the host link is PCIe Gen5; GPU-to-GPU over PCIe too (no NVLink bridge)
@@ -296,7 +297,7 @@ def requests_at(rate: float, duration: float, lengths, seed: int, max_len: int |
 
 
 def split_policies(text: str) -> list[str]:
-    """'a,b' or, when a policy carries parameters, 'a;b:alpha=1,quantum=0.5'."""
+    """'a,b' or, when a policy carries parameters, 'a;b:alpha=1,beta_f=0.3'."""
     return [p for p in text.split(";" if ";" in text else ",") if p]
 
 
@@ -345,9 +346,9 @@ def parse_args(argv):
     ap.add_argument("--hw", default="gh200-96", choices=[*PROFILES, "cpu"], help="hardware profile")
     ap.add_argument("--model", default="llama-3-8b", choices=list(MODELS))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
-    ap.add_argument("--policies", default="fcfs,fcfs-swap,rotasched,rotasched-released",
-                    help="comma list; 'rotasched:per-layer' uses vLLM v0's per-layer copies, "
-                         "'rotasched:alpha=1,quantum=0.5' sets parameters (';' between them then)")
+    ap.add_argument("--policies", default="fcfs,fcfs-swap,rotasched-lvf,rotasched,rotasched-released",
+                    help="comma list; 'rotasched-lvf:alpha=1,beta_f=0.3' sets the paper's "
+                         "parameters (';' between policies then)")
     ap.add_argument("--rates", default=None, help="request rates (req/s; default: calibrated)")
     ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
