@@ -539,7 +539,8 @@ class Scheduler:
         free room, rotating no one)."""
         passed = False
         for c in queue:
-            if self._budget <= 0 or self._partial_prefill(plan) or (passed and not self.bm.num_free):
+            full = self._budget <= 0 or self._partial_prefill(plan)
+            if full or (passed and not self.bm.num_free):
                 return
             if c.status is Status.WAITING and self._hold_new(c) or c.rid in plan.rotated_out:
                 continue  # held by admission control, or its copy out is still in flight

@@ -7,11 +7,11 @@ TBT and throughput", judged at every rate from calm to twice saturation, in the 
 For each setting (hardware x model) and workload class (the trace's conversation lengths,
 prefill-heavy, decode-heavy, and the conversation lengths with bursty arrivals) it runs fcfs,
 fcfs-swap, rotasched-lvf, rotasched and rotasched-released on the same arrivals at multiples of
-the setting's saturation rate, writes one JSON file per (setting, workload) whose rows carry every setting
-they were run with, one PNG per workload (rows: settings; columns: TTFT attainment, TBT
-attainment, TBT p99 against rate), and prints the verdict of the claim's rules per file:
-do no harm at every rate (workload.metrics.harms) and, at the best rate, a TTFT gain over fcfs
-and fcfs-swap (GAINS).
+the setting's saturation rate, writes one JSON file per (setting, workload) whose rows carry
+every setting they were run with, one PNG per workload (rows: settings; columns: TTFT
+attainment, TBT attainment, TBT p99 against rate), and prints the verdict of the claim's rules
+per file: do no harm at every rate (workload.metrics.harms) and, at the best rate, a TTFT gain
+over fcfs and fcfs-swap (GAINS). --table prints the files' figures as a markdown table.
 """
 from __future__ import annotations
 

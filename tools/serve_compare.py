@@ -76,11 +76,13 @@ def workload(args, rate: float, k: int):
     """Arrivals at `rate` from slice k of the trace (seed k), slices 1,000 requests apart, so
     every (round, rate) measures other requests. That no server finds a run's prompts in its
     prefix cache is the client's doing (serving/client.py rotates each run's prompts)."""
-    from bench import build_workload, parse_args
-    from workload.trace import with_rate
+    from workload.trace import add_workload_flags, build_workload, with_rate
     n = max(8, round(args.seconds * rate))
-    _, b = parse_args(["--num-requests", str(n), "--burstiness", "1", "--seed", str(k),
+    ap = argparse.ArgumentParser()
+    add_workload_flags(ap)
+    b = ap.parse_args(["--num-requests", str(n), "--burstiness", "1", "--seed", str(k),
                        "--trace-offset", str(k * 1000)])
+    b.input_lens, b.output_lens = [64, 128, 256], [32, 64, 128]
     items, prompts, _ = build_workload(b, 49152, 0)
     return with_rate(items, rate), prompts
 

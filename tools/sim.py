@@ -346,7 +346,8 @@ def parse_args(argv):
     ap.add_argument("--hw", default="gh200-96", choices=[*PROFILES, "cpu"], help="hardware profile")
     ap.add_argument("--model", default="llama-3-8b", choices=list(MODELS))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
-    ap.add_argument("--policies", default="fcfs,fcfs-swap,rotasched-lvf,rotasched,rotasched-released",
+    ap.add_argument("--policies",
+                    default="fcfs,fcfs-swap,rotasched-lvf,rotasched,rotasched-released",
                     help="comma list; 'rotasched-lvf:alpha=1,beta_f=0.3' sets the paper's "
                          "parameters (';' between policies then)")
     ap.add_argument("--rates", default=None, help="request rates (req/s; default: calibrated)")

@@ -7,6 +7,7 @@ consecutive tokens, pooled over requests (as the paper's client does); TPOT = (e
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 from tqdm import tqdm
@@ -121,37 +122,46 @@ def kv_pressure(base: dict, row: dict) -> bool:
 
 
 def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
-    """Per rate: the best rotating policy against fcfs, whether rotation had work to do, and
-    where a rotating policy does harm (harms). A rate where another process disturbed a run
-    (the row's `disturbed`) reports that instead of a gain."""
+    """The paper's claim judged in words, per rate and rotating policy, against `base` (and
+    fcfs-swap where it ran) on the same arrivals: TTFT attainment raised, TBT and throughput
+    comparable, each held or fell short against its rule (harms). Whether the runs were level
+    (the machine's speed, the A/A gap of a policy run twice) comes first: a verdict on uneven
+    runs says so."""
     lines = []
     for rate in sorted({r["rate"] for r in rows}):
         by = {r["policy"]: r for r in rows if r["rate"] == rate}
         rotating = [r for p, r in by.items() if p.startswith("rotasched") and policy_of(p) == p]
         if base not in by or not rotating:
             continue
-        noisy = [p for p, r in by.items() if r.get("disturbed")]
-        if noisy:
-            lines.append(f"rate {rate:.2f}/s: DISTURBED: other processes took the CPUs during the "
-                         f"{', '.join(noisy)} run(s); no gain is reported for this rate")
-            continue
         lines += uneven_speed(rate, by) + same_policy_twice(rate, by)
-        b = by[base]
-        best = max(rotating, key=lambda r: (r["ttft_attainment"], r["tbt_attainment"]))
-        gain = best["ttft_attainment"] - b["ttft_attainment"]
-        rel = f", {gain / b['ttft_attainment']:+.0%} relative" if b["ttft_attainment"] > 0 else ""
-        lines.append(f"rate {rate:.2f}/s: best rotating policy {best['policy']}: TTFT attainment "
-                     f"{best['ttft_attainment']:.1%} vs {base} {b['ttft_attainment']:.1%} "
-                     f"({100 * gain:+.1f} points{rel}); TBT attainment "
-                     f"{100 * (best['tbt_attainment'] - b['tbt_attainment']):+.1f} points; "
-                     f"throughput {best['throughput_tok_s'] / b['throughput_tok_s'] - 1:+.1%}")
-        if not kv_pressure(b, best):
-            lines.append(f"rate {rate:.2f}/s: no KV pressure ({base} never preempted, nothing "
-                         "rotated): rotation had nothing to relieve; differences are noise")
         for r in rotating:
-            for h in harms(b, r, by.get("fcfs-swap")):
-                lines.append(f"rate {rate:.2f}/s: {r['policy']} does harm: {h}")
+            lines += judge_row(rate, by[base], r, by.get("fcfs-swap"))
     return lines
+
+
+def judge_row(rate: float, b: dict, r: dict, swap: dict | None) -> list[str]:
+    """Three lines: TTFT gain, TBT comparable, throughput comparable, each held or fell short."""
+    bad = harms(b, r, swap)
+    gain = 100 * (r["ttft_attainment"] - b["ttft_attainment"])
+    over = f", {100 * (r['ttft_attainment'] - swap['ttft_attainment']):+.1f} over fcfs-swap" \
+        if swap else ""
+    ok_ttft = gain > 0 and not any(h.startswith("TTFT") for h in bad)
+    ok_tbt = not any(h.startswith("TBT") for h in bad)
+    ok_thr = not any(h.startswith("throughput") for h in bad)
+    word = {True: "held", False: "fell short"}
+    head = f"rate {rate:.2f}/s, {r['policy']} vs {b['policy']}:"
+    tbt = (f"attainment {100 * (r['tbt_attainment'] - b['tbt_attainment']):+.1f} points (rule: "
+           f">= -5), p99 {r['tbt_p99_s'] / b['tbt_p99_s']:.2f}x (rule: <= 2x or within the SLO)")
+    out = [f"{head} TTFT attainment raised: {word[ok_ttft]}: {100 * r['ttft_attainment']:.1f}% "
+           f"vs {100 * b['ttft_attainment']:.1f}%, {gain:+.1f} points{over} (rule: a gain, and "
+           "at most 2 points under either)",
+           f"{head} TBT comparable: {word[ok_tbt]}: {tbt}",
+           f"{head} throughput comparable: {word[ok_thr]}: "
+           f"{r['throughput_tok_s'] / b['throughput_tok_s']:.2f}x (rule: >= 0.95x)"]
+    if not kv_pressure(b, r):
+        out.append(f"{head} no KV pressure ({b['policy']} never preempted, nothing rotated): "
+                   "rotation had nothing to relieve, so the differences are the machine's")
+    return out
 
 
 def policy_of(label: str) -> str:
@@ -188,9 +198,9 @@ def uneven_speed(rate: float, by: dict[str, dict]) -> list[str]:
     ratio = speeds[slow] / speeds[fast] - 1
     if ratio <= UNEVEN:
         return []
-    return [f"rate {rate:.2f}/s: UNEVEN SPEED: the machine ran {slow} {ratio:.1%} slower than "
+    return [f"rate {rate:.2f}/s: NOT LEVEL: the machine ran {slow} {ratio:.1%} slower than "
             f"{fast} for the same work; near saturation that alone moves TTFT attainment by "
-            "points, so the differences below are not the policies' alone (rerun, or --repeat)"]
+            "points, so rerun (or --clock own, --repeat) before trusting the lines below"]
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -213,6 +223,33 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+SPREAD = (("TTFT att", "ttft_attainment", 100, "%"), ("TBT att", "tbt_attainment", 100, "%"),
+          ("TBT p99", "tbt_p99_s", 1e3, " ms"), ("tok/s", "throughput_tok_s", 1, ""))
+
+
+def print_spread(rows: list[dict]) -> None:
+    """min / median / max over the repeats of each figure, per policy and rate (and the TTFT
+    attainment gain over fcfs in the same repeat)."""
+    print(f"\n== spread over {len({r['repeat'] for r in rows})} repeats: min / median / max ==")
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        for rate in sorted({r["rate"] for r in rows}):
+            mine = [r for r in rows if r["policy"] == pol and r["rate"] == rate]
+            if not mine:
+                continue
+            parts = [f"{name} " + " / ".join(f"{x * scale:.1f}" for x in spread(
+                [r[key] for r in mine])) + unit for name, key, scale, unit in SPREAD]
+            base = {r["repeat"]: r for r in rows if r["policy"] == "fcfs" and r["rate"] == rate}
+            gains = [100 * (r["ttft_attainment"] - base[r["repeat"]]["ttft_attainment"])
+                     for r in mine if r["repeat"] in base and pol != "fcfs"]
+            if gains:
+                parts.append("TTFT gain " + " / ".join(f"{g:+.1f}" for g in spread(gains)))
+            print(f"{pol:<24} {rate:6.2f}: " + "; ".join(parts))
+
+
+def spread(xs: list[float]) -> tuple[float, float, float]:
+    return min(xs), statistics.median(xs), max(xs)
 
 
 # ---------------------------------------------------------------- progress and timing

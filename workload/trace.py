@@ -156,3 +156,53 @@ def synthetic_prompts(items: list[Item], vocab: int, seed: int) -> list[list[int
     rng = random.Random(seed)
     lo = min(1000, vocab // 4)
     return [[rng.randrange(lo, vocab) for _ in range(it.prompt_len)] for it in items]
+
+
+# ---------------------------------------------------------------- a benchmark's workload
+
+def add_workload_flags(ap) -> None:
+    """The flags that choose a benchmark's requests (bench.py, tools/serve_compare.py)."""
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure-format trace CSV, or 'none'")
+    ap.add_argument("--trace-offset", type=int, default=0, help="first request of the trace slice")
+    ap.add_argument("--num-requests", type=int, default=48, help="most requests a run")
+    ap.add_argument("--prompt-scale", type=float, default=0.15, help="trace prompt lengths x this")
+    ap.add_argument("--output-scale", type=float, default=0.3, help="trace output lengths x this")
+    ap.add_argument("--min-output", type=int, default=8, help="shortest scaled output (tokens)")
+    ap.add_argument("--max-len", type=int, default=384, help="cap on scaled prompts and outputs")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="replay the trace's own timing stretched by this factor (not calibrated)")
+    ap.add_argument("--workload", default="conv", choices=list(WORKLOADS),
+                    help="conv: the trace's lengths; prefill-heavy: prompts x4, outputs x0.1; "
+                         "decode-heavy: prompts x0.1, outputs x4 (before the scales below)")
+    ap.add_argument("--burstiness", type=float, default=None,
+                    help="gamma shape of the arrivals (1 = Poisson, 0.1 = bursty, CV 3.2); "
+                         "default: the trace's own timing, Poisson for synthetic")
+    ap.add_argument("--input-lens", default="64,128,256", help="synthetic prompt lengths")
+    ap.add_argument("--output-lens", default="32,64,128", help="synthetic output lengths")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def build_workload(args, vocab: int, repeat: int = 0):
+    """(items, prompts, description) the workload flags choose; repeat k takes seed + k and,
+    from a trace, the k-th next slice of it, so each repeat has fresh arrivals and prompts."""
+    seed, offset = args.seed + repeat, args.trace_offset + repeat * args.num_requests
+    burst = args.burstiness or 1.0
+    if args.trace == "none":
+        items = synthetic_workload(args.num_requests, 1.0, burst, args.input_lens,
+                                   args.output_lens, seed)
+        text = f"synthetic: prompt lengths {args.input_lens}, output lengths {args.output_lens}"
+    else:
+        rows = read_trace(args.trace)
+        fp, fo = WORKLOADS[args.workload]
+        scaling = Scaling(args.prompt_scale * fp, args.output_scale * fo, args.max_len,
+                          args.max_len, args.min_output)
+        items = trace_workload(rows, args.num_requests, offset, scaling,
+                               time_scale=args.time_scale or 1.0)
+        text = (f"{args.workload}: trace {os.path.basename(args.trace)} requests [{offset}, "
+                f"{offset + args.num_requests}); " + describe_scaling(rows, items, offset, scaling))
+        if args.burstiness is not None:  # the trace's lengths, gamma arrivals of that shape
+            gamma = synthetic_workload(len(items), 1.0, burst, [1], [1], seed)
+            items = [Item(g.arrival, i.prompt_len, i.output_len) for g, i in zip(gamma, items)]
+    if args.burstiness is not None:
+        text += f"; gamma arrivals, shape {burst:g} (CV {burst ** -0.5:.1f})"
+    return items, synthetic_prompts(items, vocab, seed), text
