@@ -284,6 +284,9 @@ class RotaSched(RotaSchedLVF):
     - Behind a new request that cannot start, a short one (a prompt of at most BACKFILL of a
       step's token budget) that fits whole in free room and is not yet due may start: short
       prompts pass a long one in a burst, without making a decode step a full prefill step.
+    - A new request waiting only for a seat or the token budget, its KV fitting, may rotate
+      others out too: a full batch is time-sliced like a full pool (decode-heavy load with
+      short prompts fills the seats before the KV).
     - A reactive preemption takes the last admitted request, as vLLM does: it holds the least
       KV, so it comes back soonest."""
     name = "rotasched"
@@ -307,7 +310,7 @@ class RotaSched(RotaSchedLVF):
                 sorted(s.waiting, key=lambda r: self.rank(r, now))]
 
     def may_rotate_for(self, s, c, now):
-        return c.status is Status.WAITING and super().may_rotate_for(s, c, now)
+        return c.status is Status.WAITING  # for KV room, and for a seat or the token budget
 
     def can_go(self, s, v, now):
         return v.rotations < self.ROTATIONS

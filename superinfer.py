@@ -602,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     """python superinfer.py PROMPT [flags]: arguments are checked before anything loads."""
     ap = generate_parser()
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.prompt.strip():  # an empty question, with the chat template or without
+        ap.error("prompt: empty; give the message to answer")
     cfg = engine_config(ap, args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -624,9 +626,10 @@ def main(argv: list[str] | None = None) -> None:
     print(out.text)
 
 
-if __name__ == "__main__":  # the entry point; the server sits above the engine, in serving/
-    if sys.argv[1:2] == ["serve"]:
-        from serving.server import main as serve
-        serve(sys.argv[2:])
-    else:
-        main()
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:  # the server sits above the engine: its own entry point
+        root = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        os.execve(sys.executable, [sys.executable, "-m", "serving.server", *sys.argv[2:]], env)
+    main()

@@ -498,3 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if engine.alive():
             engine.stop()
+
+
+if __name__ == "__main__":  # python superinfer.py serve, or python -m serving.server
+    main()

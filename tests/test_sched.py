@@ -169,11 +169,11 @@ def test_rotasched_rotates_the_longest_running_decode_for_a_new_request(policy):
 
 
 @pytest.mark.parametrize("policy", ["rotasched-lvf", "rotasched"])
-def test_rotation_frees_kv_room_not_seats(policy):
+def test_a_seat_is_rotated_for_only_by_the_default(policy):
     """With every seat taken (3 of 3), a short prompt whose KV fits in the 4 free blocks waits
-    for a seat only, and nobody is rotated out for it; a 20-token prompt (5 blocks) needs KV
-    room and is rotated for."""
-    for prompt, rotates in ((4, False), (20, True)):
+    for a seat only: the default rotates for it, LVF only for KV room; a 20-token prompt
+    (5 blocks) needs KV room and is rotated for either way."""
+    for prompt, rotates in ((4, policy == "rotasched"), (20, True)):
         s = rotation_setup(policy, prompt=prompt)
         s.cfg.max_num_seqs = 3
         plan = s.schedule(0.3)
