@@ -246,7 +246,11 @@ class RotaSchedLVF(Policy):
         queued = s.waiting + s.rotary
         if s.fits_all(queued):
             return [sorted(queued, key=lambda r: (r.arrival, r.seq))]
-        return [sorted(queued, key=lambda r: self.rank(r, now))]
+        return self.by_urgency(s, now)
+
+    def by_urgency(self, s: Scheduler, now: float) -> list[list[Request]]:
+        """The queues when not everyone fits: one list, largest lag first."""
+        return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
 
     def may_rotate_for(self, s, c, now):
         return s.bm.blocks_for(c.num_tokens) > s.bm.num_free  # rotation frees KV room
@@ -303,9 +307,7 @@ class RotaSched(RotaSchedLVF):
         """Can c still meet its TTFT SLO (True once it has its first token)?"""
         return c.status is not Status.WAITING or now - c.arrival < self.ttft(c)
 
-    def queues(self, s, plan, now):
-        if s.fits_all(s.waiting + s.rotary):
-            return super().queues(s, plan, now)
+    def by_urgency(self, s, now):
         return [sorted(s.rotary, key=lambda r: (r.arrival, r.seq)),
                 sorted(s.waiting, key=lambda r: self.rank(r, now))]
 
