@@ -16,6 +16,8 @@ it launches a step's copies both ways, then the forward over the pools.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -334,6 +336,16 @@ def blocks_for_budget(budget: int | float, block_shape, dtype, device: torch.dev
     return budget // size
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A CPU tensor of zeros in an anonymous memory mapping, which the OS fills with zeros page
+    by page on first touch: the blocks a run never uses cost no memory (torch.zeros writes them
+    all up front)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 class KVPools:
     """Device and host pools, both (num_blocks, num_layers, 2, block_size, kv_heads, head_dim)."""
 
@@ -346,7 +358,9 @@ class KVPools:
                 raise KVError(f"{name} must be >= 0, got {n}")
         # zeros: attention reads unwritten slots of a sequence's last block (masked), and
         # 0 * NaN would poison them. The host pool is only read where a copy wrote first.
-        self.device = torch.zeros((num_device_blocks, *block_shape), dtype=dtype, device=device)
+        shape = (num_device_blocks, *block_shape)
+        self.device = (torch.zeros(shape, dtype=dtype, device=device) if device.type != "cpu"
+                       else untouched_zeros(shape, dtype))
         self.host = torch.empty((num_host_blocks, *block_shape), dtype=dtype,
                                 pin_memory=device.type == "cuda")
 

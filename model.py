@@ -3,7 +3,8 @@
 Read top-down: the config, rotary embeddings, the batch, the modules, the model. The model owns
 weights and the forward pass and knows nothing of scheduling. KV lives in one pool shaped
 (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim) (see kv.py), so a block is one
-contiguous chunk; attention reads each layer's strided view of it. Loading is in loader.py.
+contiguous chunk; attention reads each layer's strided view of it. Loading is in
+weights/loader.py; what is done only for speed on a CPU is in cpu/speed.py.
 """
 from __future__ import annotations
 
@@ -15,14 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-# oneDNN-packed CPU weights (Linear below); PACK_WEIGHTS = False keeps F.linear's plain path.
-# WIDEN_BF16: a CPU without bf16 instructions emulates a bf16 GEMM, several times slower than
-# fp32, so there bf16 weights are packed widened to fp32 (the same values) and multiplied in
-# fp32: products summed in fp32 and rounded to bf16, as a native bf16 GEMM does
-PACKABLE = (torch.float32, torch.bfloat16)
-WIDEN_BF16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-PACK_WEIGHTS = torch.backends.mkldnn.is_available()
+from cpu import speed  # the CPU speed work: packed weights, cache-sized groups
 
 
 class ModelLoadError(ValueError):
@@ -78,7 +72,9 @@ class ModelConfig:
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    # on the CPU even while a model is built on the meta device: a buffer, not a weight
+    steps = torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (cfg.rope_theta ** (steps / d))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -153,12 +149,8 @@ class Batch:
 # Decode attention runs over groups of sequences, each gathered from the paged pool and padded
 # to its widest. GROUP_COST_BLOCKS: what a group's fixed cost (one K and one V gather and one
 # SDPA call a layer) is worth in padding blocks; more groups pad less but pay it more often.
-# GATHER_BYTES: the most K and V a group gathers a layer on the CPU, so that SDPA reads the
-# copy from the CPU's cache (a group no larger than the last-level cache); GATHER_MIN: the
-# fewest sequences a group holds, so that their KV heads keep every thread busy in one SDPA
-# call. Re-tune by changing them and timing decode: python -m tools.bench_speed --profile.
+# Re-tune it by changing it and timing decode: python -m tools.bench_speed --profile.
 GROUP_COST_BLOCKS = 16
-GATHER_BYTES, GATHER_MIN = 4 << 20, 2
 
 
 def decode_groups(widths: list[int], cost: int) -> list[int]:
@@ -224,39 +216,20 @@ def decode_batches(tables: list[list[int]], pos: list[int], block_size: int,
 
 # ---------------------------------------------------------------- the modules
 
-def padded_rows(m: int) -> int:
-    """m rounded up to three significant bits (1..8, 10, 12, 14, 16, 20, 24, ...): at most 4 row
-    counts an octave, padding under a quarter of m."""
-    step = 1 << max(0, m.bit_length() - 3)
-    return -(-m // step) * step
-
-
 class Linear(nn.Linear):
-    """nn.Linear that, on the CPU at inference, multiplies by a copy of its weight reordered once
-    into oneDNN's blocked layout (what torch.compile's CPU backend does; F.linear re-reads the
-    plain layout every call): 1.2-2.4x faster fp32 GEMMs at decode's row counts. oneDNN keeps
-    state per input shape, so rows are padded to few counts (padded_rows); the packed copy is
-    rebuilt when the weight changes (in place too, unless it is an inference tensor: those keep
-    no version count). Costs a second copy of the weights (in fp32 where bf16 weights are
-    widened, WIDEN_BF16 above). A call checks only what can change: a few attribute reads."""
-    packed: Tensor | None = None
-    packed_of: tuple = ()
+    """nn.Linear, bias-free in this model. On the CPU, speed.pack_weights may replace its weight
+    with a copy packed for oneDNN (the only copy kept); state_dict() still gives the plain one."""
+    plain_dtype: torch.dtype | None = None   # the weight's dtype before it was packed
 
     def forward(self, x: Tensor) -> Tensor:
-        w, p = self.weight, self.packed
-        if not torch.is_inference_mode_enabled() or x.dim() != 2 or x.dtype != w.dtype:
-            return F.linear(x, w, self.bias)
-        if self.packed_of != (key := (w.data_ptr(), w.is_inference() or w._version)):
-            ok = PACK_WEIGHTS and w.is_cpu and w.dtype in PACKABLE and self.bias is None
-            wide = w.float() if ok and w.dtype == torch.bfloat16 and WIDEN_BF16 else w
-            p = torch.ops.mkldnn._reorder_linear_weight(wide, 32) if ok else None
-            self.packed, self.packed_of = p, key  # new or changed weights: packed anew
-        if p is None:
-            return F.linear(x, w, self.bias)
-        if (rows := padded_rows(m := x.shape[0])) == m and p.dtype == x.dtype:  # no pad, no cast
-            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-        y = F.pad(x.to(p.dtype), (0, 0, 0, rows - m))
-        return torch.ops.mkldnn._linear_pointwise(y, p, None, "none", [], "")[:m].to(x.dtype)
+        if self.weight.is_mkldnn:
+            return speed.packed_linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.is_mkldnn:
+            destination[prefix + "weight"] = speed.unpack(self.weight, self.plain_dtype)
 
 
 class Attention(nn.Module):
@@ -287,8 +260,8 @@ class Attention(nn.Module):
     @staticmethod
     def gather(kv_cache: Tensor, blocks: Tensor, scratch: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of the blocks in `blocks` (any shape, flattened), each [n, bs, KVH, Dh],
-        copied into scratch (Llama.scratch). index_select copies whole blocks: ~2x faster than
-        gathering token by token."""
+        copied into scratch (Llama.scratch). index_select copies whole blocks, a few contiguous
+        copies instead of one per token."""
         blocks = blocks.flatten()
         n = blocks.numel()
         k, v = scratch[:2 * n * kv_cache[0, 0].numel()].view(2, n, *kv_cache.shape[2:])
@@ -309,7 +282,7 @@ class Attention(nn.Module):
     def prefill(self, q: Tensor, kv: tuple[Tensor, Tensor], p: Prefill) -> Tensor:
         """One chunk: [1, H, n, Dh] queries over its [1, KVH, context, Dh] keys, causal within.
         SDPA takes its CPU flash kernel only for 4-d inputs (3-d ones fall back to the unfused
-        math path, 2-3x slower here), hence the batch dimension of one."""
+        math path, which materialises the scores), hence the batch dimension of one."""
         k, v = (x.flatten(0, 1)[:p.context].transpose(0, 1) for x in kv)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                            attn_mask=p.mask, is_causal=p.mask is None,
@@ -348,7 +321,10 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # zeros, not nn.Embedding's random init: the weights come from a checkpoint, and a
+        # model built on the meta device (weights/loader.py) then needs no meta normal_
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -356,14 +332,17 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._scratch: Tensor | None = None
+        self.packed = False  # CPU weights packed for oneDNN (cpu/speed.py), at the first step
 
     @torch.inference_mode()
     def forward(self, b: Batch, kv_pool: Tensor) -> Tensor:
         """Run one flat step, writing new K/V into kv_pool; returns logits [S, vocab] (fp32)."""
         x = self.embed(b.input_ids)                                  # x: [T, hidden]
         if kv_pool.device.type == "cpu":  # kv_pool[0, 0]: one block's K and V of one layer
-            b.decodes = [s for g in b.decodes for s in g.split(
-                max(GATHER_MIN, GATHER_BYTES // (g.block_tables.shape[1] * kv_pool[0, 0].nbytes)))]
+            if not self.packed:
+                speed.pack_weights(self)
+                self.packed = True
+            b.decodes = speed.split_for_cache(b.decodes, kv_pool[0, 0].nbytes)
         freqs = b.positions[:, None].to(self.inv_freq.dtype) * self.inv_freq
         c, s = freqs.cos(), freqs.sin()                              # [T, Dh / 2] each
         cos, sin = (torch.cat(h, -1)[:, None, :].to(x.dtype) for h in ((c, c), (-s, s)))
@@ -375,8 +354,8 @@ class Llama(nn.Module):
 
     def scratch(self, b: Batch, kv_pool: Tensor) -> Tensor:
         """Room for the K and V one attention call gathers, kept from step to step and layer to
-        layer: a fresh tensor per gather is page-faulted in anew by the allocator, which at long
-        contexts cost 7x the copy itself (a step at 16 x 50-1000 tokens: 369 -> 98 ms)."""
+        layer: a fresh tensor per gather of a large size is page-faulted in anew by the CPU
+        allocator, a cost that grows with the context and exceeds the copy itself."""
         blocks = max([g.block_tables.numel() for g in b.decodes]
                      + [p.block_table.numel() for p in b.prefills], default=0)
         need = max(1, 2 * blocks * kv_pool[0, 0, 0].numel())

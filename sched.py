@@ -93,6 +93,7 @@ class StepPlan:
     now: float
     chunks: dict[Request, int] = field(default_factory=dict)  # tokens to compute, per request
     swap_out: Pairs = field(default_factory=list)   # device -> host: rotations, write-backs
+    written_back: int = 0                           # of swap_out, write-backs (the rest rotate)
     swap_in: Pairs = field(default_factory=list)    # host -> device
     admitted: list[str] = field(default_factory=list)    # on device for the first time
     resumed: list[str] = field(default_factory=list)     # back after a recompute-preemption
@@ -701,6 +702,7 @@ class Scheduler:
             # full blocks of what earlier steps computed (this step's tokens are not written yet)
             pairs = self.bm.writeback(r.rid, r.num_computed, self._xfer, reserve)
             plan.swap_out += pairs
+            plan.written_back += len(pairs)
             self._xfer -= len(pairs)
 
     def _check(self, plan: StepPlan) -> None:

@@ -346,7 +346,9 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos.add(tokenizer.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
-        self.rotations = self.recomputes = 0   # since start (requests are released on the way)
+        # since start (requests are released on the way); blocks copied between the tiers
+        self.rotations = self.recomputes = 0
+        self.blocks = {"written_back": 0, "rotated_out": 0, "rotated_in": 0}
         self.rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None
                                                  else secrets.randbits(63))
         self.ids = itertools.count()
@@ -390,7 +392,7 @@ class Engine:
         if not isinstance(rid, str) or rid in self.seqs:
             raise ValueError(f"request_id must be a new string, got {rid!r}")
         ids = self.encode(prompt)
-        if not ids:
+        if not ids or prompt == "":  # "" is empty even where the tokenizer would add a BOS
             raise ValueError(f"request {rid}: empty prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"request {rid}: {len(ids)} prompt + {params.max_tokens} output "
@@ -426,6 +428,9 @@ class Engine:
             self._fail(plan, e)
         self.rotations += len(plan.rotated_out)
         self.recomputes += len(plan.preempted)
+        self.blocks["written_back"] += plan.written_back
+        self.blocks["rotated_out"] += len(plan.swap_out) - plan.written_back
+        self.blocks["rotated_in"] += len(plan.swap_in)
         finished = {r.rid for r in self.sched.update(plan, sampled, self.clock())}
         return [self._emit(rid, tok, rid in finished) for rid, tok in sampled.items()]
 
@@ -504,6 +509,7 @@ class Engine:
         return {"steps": self.sched.num_steps, "rotations": self.rotations,
                 "recomputes": self.recomputes, "blocks_moved": copier.blocks_moved,
                 "bytes_moved": copier.blocks_moved * self.block_bytes, "copies": copier.copies,
+                **{f"{k}_bytes": n * self.block_bytes for k, n in self.blocks.items()},
                 "running": len(self.sched.running), "waiting": len(self.sched.waiting),
                 "rotary": len(self.sched.rotary), "device_usage": self.bm.usage("device"),
                 "host_usage": self.bm.usage("host")}
@@ -602,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     """python superinfer.py PROMPT [flags]: arguments are checked before anything loads."""
     ap = generate_parser()
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    if not args.prompt.strip():  # an empty question, with the chat template or without
+    if not args.prompt:  # empty as everywhere else: no text (whitespace is text)
         ap.error("prompt: empty; give the message to answer")
     cfg = engine_config(ap, args)
     try:

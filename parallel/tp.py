@@ -172,7 +172,8 @@ class TPRunner:
             model, self.tokenizer = load_model(cfg.model, cfg.device, cfg.dtype)
         self.model_cfg = model.cfg
         self.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        self.model = shard(model, 0, self.world)
+        # from the plain weights (state_dict unpacks weights a CPU run has packed)
+        self.model = load_shard(self.model_cfg, self.state, 0, self.world, rank_device(cfg, 0))
         self.procs, self.dead = [], None
         self.landed = -1
 

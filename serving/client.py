@@ -72,7 +72,9 @@ def carries_token(chunk: dict) -> bool:
                               is None)
 
 
-COUNTERS = {"rotations": ("superinfer_rotations",), "bytes_moved": ("superinfer_kv_bytes_moved",),
+COUNTERS = {"rotations": ("superinfer_rotations",),
+            "bytes_moved": tuple(f"superinfer_kv_{name}_bytes" for name in
+                                 ("written_back", "rotated_out", "rotated_in")),
             "recomputes": ("superinfer_recomputes", "vllm:num_preemptions")}
 
 

@@ -34,7 +34,9 @@ def num(**limits):
 
 
 Number = num()
-Text = Annotated[StrictStr, Field(min_length=1)]  # a prompt, or a stop string (empty: anywhere)
+# a prompt, a message or a stop string: never "" (an empty prompt is refused everywhere, the CLI
+# and LLM.generate too; whitespace is text). An empty stop string would stop anywhere.
+Text = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 def _false(value: bool) -> bool:
@@ -102,7 +104,7 @@ class CompletionBody(Body):
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class TextFormat(Strict):
@@ -111,7 +113,7 @@ class TextFormat(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1)]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
     name: StrictStr | None = None
 
 

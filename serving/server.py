@@ -62,8 +62,12 @@ class Metrics:
         self.kv_usage = gauge("superinfer_kv_usage", "share of KV blocks in use", "tier")
         self.rotations = Counter("superinfer_rotations", "requests rotated out to host", registry=r)
         self.recomputes = Counter("superinfer_recomputes", "preemptions by recompute", registry=r)
-        self.bytes_moved = Counter("superinfer_kv_bytes_moved", "KV bytes copied between tiers",
-                                   registry=r)
+        # KV copies between the tiers by purpose: DuplexKV's eager write-backs to host mirrors,
+        # and the copies of rotations out (what was still dirty) and back in
+        self.kv_bytes = {name: Counter(f"superinfer_kv_{name}_bytes", text, registry=r)
+                         for name, text in (("written_back", "KV bytes written back to host"),
+                                            ("rotated_out", "KV bytes copied out by rotations"),
+                                            ("rotated_in", "KV bytes copied back in"))}
         self.tokens = Counter("superinfer_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("superinfer_requests_finished", "finished requests", ["reason"],
                                 registry=r)
@@ -71,7 +75,9 @@ class Metrics:
                               buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30, 60))
         self.tbt = Histogram("superinfer_inter_token_seconds", "gap between two tokens", registry=r,
                              buckets=(.01, .025, .05, .1, .2, .5, 1, 2, 5))
-        self.last = {"rotations": 0, "recomputes": 0, "bytes_moved": 0}
+        self.counters = {"rotations": self.rotations, "recomputes": self.recomputes} | {
+            f"{name}_bytes": c for name, c in self.kv_bytes.items()}
+        self.last = dict.fromkeys(self.counters, 0)
 
     def observe(self, stats: dict) -> None:
         self.running.set(stats["running"])
@@ -79,8 +85,7 @@ class Metrics:
         self.rotary.set(stats["rotary"])
         self.kv_usage.labels("device").set(stats["device_usage"])
         self.kv_usage.labels("host").set(stats["host_usage"])
-        for name, counter in (("rotations", self.rotations), ("recomputes", self.recomputes),
-                              ("bytes_moved", self.bytes_moved)):
+        for name, counter in self.counters.items():
             counter.inc(max(0, stats[name] - self.last[name]))
             self.last[name] = stats[name]
 

@@ -1,12 +1,19 @@
+import atexit
 import itertools
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.manual_seed(0)
+# the converted embedded model (weights/loader.py gguf_cache): made once for the session, in a
+# folder of its own so that a run never reads what another left, and removed after it
+os.environ.setdefault("SUPERINFER_CACHE", tempfile.mkdtemp(prefix="superinfer-test-cache-"))
+atexit.register(shutil.rmtree, os.environ["SUPERINFER_CACHE"], True)
 
 
 def hf_config_dict(vocab=97, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, tied=False,

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("argv,match", [
     (["hi", "--policy", "lifo"], "unknown policy 'lifo'"),
-    ([""], "prompt: empty"), (["  ", "--no-chat"], "prompt: empty"),
+    ([""], "prompt: empty"), (["", "--no-chat"], "prompt: empty"),
     (["hi", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["hi", "--model", "/no/such/dir"], "no such file or directory"),
     (["hi", "--dtype", "int32"], "dtype must be a floating-point type"),

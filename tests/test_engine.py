@@ -424,3 +424,25 @@ def test_an_engine_runs_schedule_log_replays_exactly(smollm, tmp_path):
     assert e.stats()["rotations"] > 0
     steps, why = schedlog.replay(str(path))
     assert why is None and steps == e.sched.num_steps
+
+
+def test_copies_between_the_tiers_are_counted_by_purpose(smollm):
+    """Write-backs and rotations are counted apart: with room for everything, DuplexKV writes
+    full blocks back and nothing rotates; with a pool too small, rotations copy out and back in.
+    Every copied block is counted once (their sum is the copier's)."""
+    prompts = [[1000 + 17 * i + j for j in range(40)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    roomy = make_engine(smollm, policy="rotasched", block_size=8)
+    run(roomy, prompts, params)
+    stats = roomy.stats()
+    assert stats["written_back_bytes"] > 0 and stats["rotations"] == 0
+    assert stats["rotated_out_bytes"] == stats["rotated_in_bytes"] == 0
+    tight = make_engine(smollm, policy="fcfs-swap", block_size=8, num_device_blocks=20,
+                        max_num_seqs=6)
+    run(tight, prompts, params)
+    stats = tight.stats()
+    assert stats["rotations"] > 0 and stats["rotated_out_bytes"] > 0
+    assert stats["rotated_in_bytes"] > 0 and stats["written_back_bytes"] == 0
+    for s in (roomy.stats(), stats):
+        assert s["bytes_moved"] == sum(s[f"{k}_bytes"] for k in
+                                       ("written_back", "rotated_out", "rotated_in"))

@@ -1,5 +1,6 @@
 """model.py against transformers.LlamaForCausalLM on the same weights."""
 import json
+import os
 import random
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import hf_config_dict, tiny_pair
 import model as model_mod
+from cpu import speed
 from model import ModelLoadError, Seq, make_batch
 from weights.loader import config_from_hf, load_model
 
@@ -72,13 +74,13 @@ def test_paged_equals_dense_any_block_size_and_permutation(block_size, lens, see
     """Many sequences in one flat batch, scattered over permuted blocks, equal each run densely,
     whichever groups the decodes are split into (cost 0: one group per distinct width) and
     however the groups are sliced to bound the bytes they gather (0: GATHER_MIN a slice)."""
-    old = model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES, model_mod.GATHER_MIN
-    model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES = group_cost, gather_bytes
-    model_mod.GATHER_MIN = gather_min
+    old = model_mod.GROUP_COST_BLOCKS, speed.GATHER_BYTES, speed.GATHER_MIN
+    model_mod.GROUP_COST_BLOCKS, speed.GATHER_BYTES = group_cost, gather_bytes
+    speed.GATHER_MIN = gather_min
     try:
         check_paged_equals_dense(block_size, lens, seed)
     finally:
-        model_mod.GROUP_COST_BLOCKS, model_mod.GATHER_BYTES, model_mod.GATHER_MIN = old
+        model_mod.GROUP_COST_BLOCKS, speed.GATHER_BYTES, speed.GATHER_MIN = old
 
 
 def test_decode_groups_are_sliced_to_the_gather_bound():
@@ -88,7 +90,7 @@ def test_decode_groups_are_sliced_to_the_gather_bound():
     ours, _ = tiny_pair(seed=1)
     pool = torch.zeros(40, *ours.kv_block_shape(4))
     per_seq = 2 * pool[0, 0].nbytes  # two blocks of context each
-    old, model_mod.GATHER_BYTES = model_mod.GATHER_BYTES, 3 * per_seq
+    old, speed.GATHER_BYTES = speed.GATHER_BYTES, 3 * per_seq
     try:
         b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(8)], 4)
         assert [(g.row, g.length) for g in b.decodes] == [(0, 8)]
@@ -98,12 +100,12 @@ def test_decode_groups_are_sliced_to_the_gather_bound():
         b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(7)], 4)
         ours(b, pool)   # 7 in slices of 3 at most: 2, 2, 3, not 3, 3, 1
         assert [(g.row, g.length) for g in b.decodes] == [(0, 2), (2, 2), (4, 3)]
-        model_mod.GATHER_BYTES = per_seq // 2  # not one sequence fits: GATHER_MIN (2) a slice
+        speed.GATHER_BYTES = per_seq // 2  # not one sequence fits: GATHER_MIN (2) a slice
         b = make_batch([Seq([5], 6, [2 * i, 2 * i + 1], True) for i in range(6)], 4)
         ours(b, pool)
-        assert [g.length for g in b.decodes] == [2, 2, 2] and model_mod.GATHER_MIN == 2
+        assert [g.length for g in b.decodes] == [2, 2, 2] and speed.GATHER_MIN == 2
     finally:
-        model_mod.GATHER_BYTES = old
+        speed.GATHER_BYTES = old
 
 
 def check_paged_equals_dense(block_size, lens, seed):
@@ -351,60 +353,125 @@ def test_gguf_by_a_bare_relative_name(tmp_path, monkeypatch):
 def test_padded_rows_bounds_the_padding_and_the_shapes(m):
     """Rows pad up by less than a quarter, to one of at most four counts an octave past 8
     (oneDNN keeps state per shape, so the shapes must stay few)."""
-    p = model_mod.padded_rows(m)
-    assert m <= p and 4 * (p - m) < m and model_mod.padded_rows(p) == p
+    p = speed.padded_rows(m)
+    assert m <= p and 4 * (p - m) < m and speed.padded_rows(p) == p
     lo = 1 << max(3, m.bit_length() - 1)
-    octave = {model_mod.padded_rows(k) for k in range(lo, 2 * lo)}
+    octave = {speed.padded_rows(k) for k in range(lo, 2 * lo)}
     assert m <= 8 or len(octave) <= 5
 
 
-@pytest.mark.skipif(not model_mod.PACK_WEIGHTS, reason="no oneDNN in this torch build")
+def packed_pair(dtype):
+    """A bias-free Linear and a copy of it packed for oneDNN."""
+    torch.manual_seed(0)
+    plain = model_mod.Linear(256, 96, bias=False).to(dtype).requires_grad_(False)
+    packed = model_mod.Linear(256, 96, bias=False).to(dtype)
+    packed.load_state_dict(plain.state_dict())
+    speed.pack_weights(packed)
+    return plain, packed
+
+
+@pytest.mark.skipif(not speed.PACK_WEIGHTS, reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("widen", [False, True])
 def test_bf16_linear_widened_to_fp32_gives_the_bf16_gemm(monkeypatch, widen):
     """Where the CPU has no bf16 GEMM the bf16 weights are packed as fp32 and multiplied in fp32:
     bf16 in, bf16 out, the products of the same bf16 values summed in fp32."""
-    if not widen and model_mod.WIDEN_BF16:
+    if not widen and speed.WIDEN_BF16:
         pytest.skip("this CPU has no native bf16 GEMM")
-    monkeypatch.setattr(model_mod, "WIDEN_BF16", widen)
-    torch.manual_seed(0)
-    lin = model_mod.Linear(256, 96, bias=False).to(torch.bfloat16)
+    monkeypatch.setattr(speed, "WIDEN_BF16", widen)
+    plain, lin = packed_pair(torch.bfloat16)
     x = torch.randn(9, 256, dtype=torch.bfloat16)
-    with torch.inference_mode():
-        out = lin(x)
-    exact = torch.nn.functional.linear(x.double(), lin.weight.double())
+    out = lin(x)
+    exact = torch.nn.functional.linear(x.double(), plain.weight.double())
     assert out.dtype == torch.bfloat16 and out.shape == (9, 96)
-    assert lin.packed.dtype == (torch.float32 if widen else torch.bfloat16)
+    assert lin.weight.dtype == (torch.float32 if widen else torch.bfloat16)
     # within bf16's rounding of the exact sum (2^-8 relative), plus fp32 summation error
     assert torch.allclose(out.double(), exact, rtol=2 ** -8, atol=1e-4)
 
 
-@pytest.mark.skipif(not model_mod.PACK_WEIGHTS, reason="no oneDNN in this torch build")
-@pytest.mark.parametrize("dtype", model_mod.PACKABLE)
-def test_packed_linear_matches_f_linear_and_follows_weight_changes(dtype):
-    torch.manual_seed(0)
-    lin = model_mod.Linear(64, 96, bias=False).to(dtype)
+@pytest.mark.skipif(not speed.PACK_WEIGHTS, reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", speed.PACKABLE)
+def test_packed_linear_matches_f_linear_and_keeps_one_copy(dtype):
+    """The packed Linear gives F.linear's product at any row count, holds only the packed copy,
+    and its state_dict() gives back the plain weight exactly (what tensor parallelism and a
+    dtype change read)."""
+    plain, lin = packed_pair(dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    with torch.inference_mode():
-        for m in (1, 3, 9, 17, 33, 130):
-            x = torch.randn(m, 64, dtype=dtype)
-            ref = torch.nn.functional.linear(x, lin.weight)
-            out = lin(x)
-            assert out.shape == (m, 96) and lin.packed is not None
-            assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
-        lin.weight.mul_(-2)           # in place: the packed copy is stale and is rebuilt
-        x = torch.randn(5, 64, dtype=dtype)
-        ref = torch.nn.functional.linear(x, lin.weight)
-        assert torch.allclose(lin(x).float(), ref.float(), atol=2 * tol, rtol=tol)
-        for swap in ("parameter", "data"):  # new storage, version 0 again: rebuilt too
-            new = torch.randn(96, 64, dtype=dtype)
-            if swap == "parameter":
-                lin.weight = torch.nn.Parameter(new, requires_grad=False)
-            else:
-                lin.weight.data = new
-            ref = torch.nn.functional.linear(x, new)
-            assert torch.allclose(lin(x).float(), ref.float(), atol=2 * tol, rtol=tol)
-    lin.packed = None                 # outside inference mode: plain F.linear, nothing packed
-    with torch.no_grad():
-        x = torch.randn(5, 64, dtype=dtype)
-        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
-    assert lin.packed is None
+    assert lin.weight.is_mkldnn and [n for n, _ in lin.named_parameters()] == ["weight"]
+    for m in (1, 3, 9, 17, 33, 130):
+        x = torch.randn(m, 256, dtype=dtype)
+        ref = torch.nn.functional.linear(x, plain.weight)
+        out = lin(x)
+        assert out.shape == (m, 96) and out.dtype == dtype
+        assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
+    state = lin.state_dict()["weight"]
+    assert not state.is_mkldnn and state.dtype == dtype and torch.equal(state, plain.weight)
+    speed.pack_weights(lin)                 # packing twice leaves the packed copy as it is
+    assert torch.equal(lin.state_dict()["weight"], plain.weight)
+
+
+def test_a_tied_head_gets_its_own_packed_copy_and_the_embedding_stays_plain():
+    ours, _ = tiny_pair(seed=2, tied=True)
+    assert ours.lm_head.weight is ours.embed.weight
+    speed.pack_weights(ours)
+    assert not ours.embed.weight.is_mkldnn
+    assert ours.lm_head.weight.is_mkldnn == speed.PACK_WEIGHTS
+    assert torch.equal(ours.state_dict()["lm_head.weight"], ours.embed.weight)
+
+
+# ---------------------------------------------------------------- the converted GGUF and its tokenizer
+
+def test_the_converted_gguf_holds_the_gguf_weights(smollm):
+    """The model loaded from the cache (gguf_cache) has exactly the weights read from the GGUF."""
+    from weights.loader import build_model, embedded_gguf_path, read_gguf
+    cfg, tensors = read_gguf(embedded_gguf_path())
+    direct = build_model(cfg, tensors, "cpu", torch.float32, "gguf").state_dict()
+    cached = smollm[0].state_dict()
+    assert direct.keys() == cached.keys()
+    assert all(torch.equal(direct[k], cached[k]) for k in direct)
+
+
+def test_the_cache_is_made_once_and_an_unwritable_one_is_said(tmp_path, monkeypatch, capsys):
+    from weights import loader
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"stand-in bytes")
+    made = []
+    monkeypatch.setattr(loader, "export_hf", lambda out, path: made.append(
+        (out, open(os.path.join(out, "config.json"), "w").close())))
+    monkeypatch.setenv("SUPERINFER_CACHE", str(tmp_path / "cache"))
+    first = loader.gguf_cache(str(gguf))
+    assert "converting m.gguf once" in capsys.readouterr().err and len(made) == 1
+    assert loader.gguf_cache(str(gguf)) == first and len(made) == 1
+    assert capsys.readouterr().err == ""
+    gguf.write_bytes(b"other bytes")            # a changed file is converted anew
+    assert loader.gguf_cache(str(gguf)) != first and len(made) == 2
+    monkeypatch.setenv("SUPERINFER_CACHE", str(gguf))     # a file where the folder would be
+    assert loader.gguf_cache(str(gguf)) is None
+    assert "cannot write the cache" in capsys.readouterr().err
+    assert not [p for p in os.listdir(tmp_path / "cache") if p.startswith(".")]  # no leftovers
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    """transformers' tokenizer converted from the GGUF itself: what ours must reproduce."""
+    from weights.loader import embedded_gguf_path, gguf_tokenizer, open_gguf
+    return gguf_tokenizer(open_gguf(embedded_gguf_path()), "embedded")
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]),
+                                st.text(max_size=30)), min_size=1, max_size=4),
+       generation=st.booleans())
+def test_our_tokenizer_gives_transformers_ids_and_text(smollm, hf_tokenizer, turns, generation):
+    ours, theirs = smollm[1], hf_tokenizer
+    messages = [{"role": r, "content": c} for r, c in turns]
+    for tokenize in (True, False):
+        kw = dict(add_generation_prompt=generation, tokenize=tokenize, return_dict=False)
+        assert ours.apply_chat_template(messages, **kw) == theirs.apply_chat_template(messages, **kw)
+    text = turns[-1][1]
+    ids = ours(text).input_ids
+    assert ids == theirs(text).input_ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+            ids, skip_special_tokens=skip)
+    assert ours.eos_token_id == theirs.eos_token_id

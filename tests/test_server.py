@@ -175,7 +175,8 @@ def test_models_health_and_metrics(served):
     names = {f.name for f in text_string_to_metric_families(text)}
     for want in ("superinfer_requests_running", "superinfer_requests_waiting",
                  "superinfer_requests_rotary", "superinfer_kv_usage", "superinfer_rotations",
-                 "superinfer_kv_bytes_moved", "superinfer_time_to_first_token_seconds",
+                 "superinfer_kv_written_back_bytes", "superinfer_kv_rotated_out_bytes",
+                 "superinfer_kv_rotated_in_bytes", "superinfer_time_to_first_token_seconds",
                  "superinfer_inter_token_seconds"):
         assert want in names, want
 

