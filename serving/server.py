@@ -389,8 +389,9 @@ def describe(errors: list[dict]) -> tuple[str | None, str]:
     return ".".join(loc) or None, e.get("msg", "invalid body")
 
 
-def openapi_schema(app: FastAPI) -> dict:
-    """FastAPI's document with our 400s in place of its 422s (which this server never sends)."""
+def openapi_schema(app: FastAPI, vocab_size: int | None) -> dict:
+    """FastAPI's document with our 400s in place of its 422s (which this server never sends),
+    and the model's vocabulary as the bound of a prompt's token ids."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in doc["paths"].values():
@@ -398,8 +399,24 @@ def openapi_schema(app: FastAPI) -> dict:
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             doc.get("components", {}).get("schemas", {}).pop(name, None)
+        if vocab_size is not None:
+            prompt = doc["components"]["schemas"]["CompletionBody"]["properties"]["prompt"]
+            for ids in token_id_schemas(prompt):
+                ids["maximum"] = vocab_size - 1
         app.openapi_schema = doc
     return app.openapi_schema
+
+
+def token_id_schemas(schema):
+    """The {"type": "integer"} schemas inside a prompt's schema (its token ids)."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            yield schema
+        for value in schema.values():
+            yield from token_id_schemas(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from token_id_schemas(value)
 
 
 def create_app(engine, model_name: str = "superinfer",
@@ -415,7 +432,7 @@ def create_app(engine, model_name: str = "superinfer",
 
     app = FastAPI(title="superinfer", version="0.3", lifespan=lifespan)
     app.state.client = client
-    app.openapi = lambda: openapi_schema(app)
+    app.openapi = lambda: openapi_schema(app, (client.info or {}).get("vocab_size"))
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     add_error_handlers(app)
     add_routes(app, client, model_name)

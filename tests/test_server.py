@@ -216,6 +216,7 @@ def test_chat_content_may_be_text_parts(served, reference):
     ({"prompt": "hi", "echo": True}, "echo"), ({"prompt": "hi", "color": "blue"}, "color"),
     ({"prompt": [5, -1]}, "prompt.1"), ({"prompt": []}, "prompt"),
     ({"prompt": "hi", "stop": [""]}, "stop.0"), ({"prompt": "hi", "stop": ""}, "stop"),
+    ({"prompt": ""}, "prompt"), ({"prompt": [[5, 49152]]}, "prompt"),
 ])
 def test_completion_inputs_are_strict(served, body, param):
     _, _, base = served
@@ -370,3 +371,18 @@ def test_the_bench_client_never_replays_a_prompt_a_prefix_cache_could_reuse(monk
             == sorted(tuple(sorted(q)) for q in prompts for _ in range(4)))
     firsts = [tuple(p[:16]) for p in sent]
     assert len(set(firsts)) == len(firsts)
+
+
+def test_an_empty_prompt_is_refused_as_everywhere_and_the_schema_says_so(served):
+    """"" is no prompt, in a completion or as a chat message (the CLI and LLM.generate refuse it
+    too); whitespace is text. The document bounds token ids by the model's vocabulary."""
+    _, _, base = served
+    for content in ("", [{"type": "text", "text": ""}]):
+        status, out = post(base, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": content}]})
+        assert status == 400 and out["error"]["param"].startswith("messages.0.content"), out
+    status, _ = post(base, "/v1/completions", {"prompt": " ", "max_tokens": 1})
+    assert status == 200
+    doc = json.loads(urllib.request.urlopen(base + "/openapi.json").read())
+    prompt = json.dumps(doc["components"]["schemas"]["CompletionBody"]["properties"]["prompt"])
+    assert prompt.count('"maximum": 49151') == 2 and '"minLength": 1' in prompt
