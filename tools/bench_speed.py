@@ -377,8 +377,10 @@ def main(argv=None) -> None:
     ap.add_argument("--output", type=int, default=64, help="tokens each generates")
     ap.add_argument("--mib", type=int, default=256, help="copies: KV bytes moved each way (MiB)")
     ap.add_argument("--device", default=None, help="copies: cpu or cuda")
+    ap.add_argument("--batch", type=int, default=32, help="profile: decodes in the step")
+    ap.add_argument("--ctx", type=int, default=128, help="profile: their tokens of context")
     args = ap.parse_args(argv)
-    for name in ("requests", "output", "mib"):
+    for name in ("requests", "output", "mib", "batch", "ctx"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
     if args.copies:
@@ -391,7 +393,7 @@ def main(argv=None) -> None:
                                  getattr(torch, d), "embedded") for d in ("float32", "bfloat16")}
         peak, _ = machine_limits()
         print(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
-        profile_steps(models, peak)
+        profile_steps(models, peak, args.batch, args.ctx)
     else:
         run_speed(args.requests, args.output)
 

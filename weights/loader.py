@@ -383,6 +383,11 @@ def load_gguf(path: str, device, dtype) -> tuple[Llama, object]:
     return model, gguf_tokenizer(reader, path)
 
 
+# what a converted directory holds (export_hf's layout): a change to it changes this number, so
+# that no start reads a conversion made by other code
+CACHE_FORMAT = 1
+
+
 def cache_root() -> str:
     """$SUPERINFER_CACHE, else superinfer/ under $XDG_CACHE_HOME (default ~/.cache)."""
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -398,7 +403,7 @@ def gguf_cache(path: str) -> str | None:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
     name = os.path.basename(path).removesuffix(".gguf")
-    out = os.path.join(cache_root(), f"{name}-{digest}")
+    out = os.path.join(cache_root(), f"{name}-{digest}-v{CACHE_FORMAT}")
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     print(f"superinfer: converting {name}.gguf once into {out} (later starts load that)",
