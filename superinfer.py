@@ -183,6 +183,11 @@ def engine_config(ap: argparse.ArgumentParser, args, **override) -> EngineConfig
 
 # ---------------------------------------------------------------- requests and sampling
 
+# what the blocks copied between the tiers were for (Engine.stats, the server's /metrics):
+# DuplexKV's eager write-backs to host mirrors, and rotations' copies out and back in
+KV_COPIES = ("written_back", "rotated_out", "rotated_in")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -348,7 +353,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         # since start (requests are released on the way); blocks copied between the tiers
         self.rotations = self.recomputes = 0
-        self.blocks = {"written_back": 0, "rotated_out": 0, "rotated_in": 0}
+        self.blocks = dict.fromkeys(KV_COPIES, 0)
         self.rng = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None
                                                  else secrets.randbits(63))
         self.ids = itertools.count()

@@ -30,9 +30,10 @@ GATHER_BYTES, GATHER_MIN = 4 << 20, 2
 
 
 def pack_weights(model: nn.Module) -> None:
-    """Pack every packable Linear of model in place (once; packed ones are left as they are).
-    A weight shared with another module (a tied lm_head) gets a packed copy of its own and the
-    other module keeps the plain one."""
+    """Pack every packable Linear of model in place (once; packed ones are left as they are):
+    model.Linear, which can run packed, says so with its plain_dtype attribute. A weight shared
+    with another module (a tied lm_head) gets a packed copy of its own and the other module
+    keeps the plain one."""
     if not PACK_WEIGHTS:
         return
     for lin in model.modules():

@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException
 from serving.engine_loop import EngineProcess, EngineThread
 from serving.protocol import (ERRORS, NOT_SUPPORTED, Body, ChatBody, ChatCompletion, Completion,
                               CompletionBody, ModelList, error_body)
-from superinfer import Engine, Parser, SamplingParams, add_engine_flags, engine_config
+from superinfer import (KV_COPIES, Engine, Parser, SamplingParams, add_engine_flags,
+                        engine_config)
 
 MAX_BODY_BYTES = 1 << 20   # a request body larger than this is a 413
 SSE_EVENT = {"type": "object", "required": ["data"],  # OpenAPI 3.1: a schema per event
@@ -62,12 +63,9 @@ class Metrics:
         self.kv_usage = gauge("superinfer_kv_usage", "share of KV blocks in use", "tier")
         self.rotations = Counter("superinfer_rotations", "requests rotated out to host", registry=r)
         self.recomputes = Counter("superinfer_recomputes", "preemptions by recompute", registry=r)
-        # KV copies between the tiers by purpose: DuplexKV's eager write-backs to host mirrors,
-        # and the copies of rotations out (what was still dirty) and back in
-        self.kv_bytes = {name: Counter(f"superinfer_kv_{name}_bytes", text, registry=r)
-                         for name, text in (("written_back", "KV bytes written back to host"),
-                                            ("rotated_out", "KV bytes copied out by rotations"),
-                                            ("rotated_in", "KV bytes copied back in"))}
+        self.kv_bytes = {name: Counter(f"superinfer_kv_{name}_bytes",
+                                       f"KV bytes copied between the tiers: {name}", registry=r)
+                         for name in KV_COPIES}
         self.tokens = Counter("superinfer_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("superinfer_requests_finished", "finished requests", ["reason"],
                                 registry=r)
