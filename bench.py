@@ -37,7 +37,7 @@ from tools import schedlog, sim
 from weights.loader import load_model, resolve_device
 from workload.metrics import plot, policy_of, print_spread, print_table, summarize, verdict
 from workload.replay import OwnClock, Replay, serve, serve_interleaved
-from workload.trace import (Item, TraceError, add_workload_flags, build_workload, read_trace,
+from workload.trace import (Item, TraceError, add_workload_flags, build_workload, count_requests,
                             synthetic_prompts, with_rate)
 
 JSON_KEYS = ("policy", "rate", "num_requests", "ttft_attainment", "tbt_attainment", "goodput_req_s",
@@ -329,7 +329,7 @@ def check_args(ap, args) -> None:
         bench_config(ap, args, policy=policy_of(pol))
     if args.trace != "none":
         try:
-            n = len(read_trace(args.trace))
+            n = count_requests(args.trace)
         except TraceError as e:
             ap.error(str(e))
         last = args.trace_offset + args.repeat * args.num_requests

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -35,53 +35,89 @@ class KVError(ValueError):
 
 
 class BlockPool:
-    """One tier's blocks: who owns each used block, and the free blocks, oldest first, so a freed
-    block is handed out as late as possible. A free block may still hold the KV of the request
-    that parked it (`kept`); that request can take it back without a copy until it is reused."""
+    """One tier's blocks. A used block has a reference count (requests that share a cached
+    prefix share its blocks); free blocks are kept oldest first, so a freed block is handed out
+    as late as possible, because it may still hold KV worth having:
+    - a cached block: a full block of some prefix, found by its hash (`block_of`) until the
+      block is handed out again; shared blocks are full, so they are never written;
+    - a kept block: the KV of the request that parked it there (`kept`), which may take it back
+      without a copy (its last block is not full, so it has no hash)."""
 
-    def __init__(self, name: str, capacity: int):
+    def __init__(self, name: str, capacity: int, caching: bool = False):
         if capacity < 0:
             raise KVError(f"{name} pool: capacity must be >= 0, got {capacity}")
-        self.name, self.capacity = name, capacity
+        self.name, self.capacity, self.caching = name, capacity, caching
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity))
-        self.owner: dict[int, str] = {}
+        self.refs: dict[int, int] = {}               # used block -> requests holding it
         self.kept: dict[int, tuple[str, int]] = {}  # free block -> (rid, index) it still holds
+        self.block_of: dict[int, int] = {}          # hash -> the block holding that prefix block
+        self.hash_of: dict[int, int] = {}           # the same, block -> hash
 
     @property
     def num_free(self) -> int:
         return len(self.free)
 
+    @property
+    def num_used(self) -> int:
+        return len(self.refs)
+
     def allocate(self, rid: str, n: int) -> list[int]:
+        """n blocks for rid, oldest free first: whatever they cached is forgotten."""
         if n > len(self.free):
             raise KVError(f"{self.name} pool: {rid} asks for {n} blocks, {len(self.free)} free")
         blocks = [self.free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
-            self.owner[b] = rid
+            self.refs[b] = 1
             self.kept.pop(b, None)
+            h = self.hash_of.pop(b, None)
+            if h is not None:
+                del self.block_of[h]
         return blocks
+
+    def share(self, b: int) -> None:
+        """One more holder of cached block b, in use or free (a free one leaves the free list)."""
+        if b in self.free:
+            del self.free[b]
+        self.kept.pop(b, None)  # free or fenced: the parked request finds it by its hash
+        self.refs[b] = self.refs.get(b, 0) + 1
 
     def reclaim(self, rid: str, b: int, index: int) -> bool:
         """Take back free block b if it still holds rid's block `index`."""
         if self.kept.get(b) != (rid, index) or b not in self.free:
             return False
         del self.free[b], self.kept[b]
-        self.owner[b] = rid
+        self.refs[b] = 1
         return True
 
-    def release(self, rid: str, blocks: list[int], keep: set[int] = frozenset()) -> None:
-        """Take blocks from rid; those in `keep` stay off the free list (the caller fences them)."""
-        for b in blocks:
-            if self.owner.get(b) != rid:
-                raise KVError(f"{self.name} pool: block {b} freed by {rid} "
-                              f"but owned by {self.owner.get(b)}")
-            del self.owner[b]
-            if b not in keep:
-                self.free[b] = None
+    def release(self, rid: str, blocks: list[int], keep: set[int] = frozenset()) -> list[int]:
+        """rid lets go of blocks; returns those nobody holds now, which go to the free list
+        (those in `keep` stay off it: the caller fences them). The last block goes first, so
+        a prefix's tail is handed out before its head (a head serves more prompts)."""
+        freed = []
+        for b in reversed(blocks):
+            if self.refs.get(b, 0) < 1:
+                raise KVError(f"{self.name} pool: block {b} freed by {rid} but not in use")
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                del self.refs[b]
+                freed.append(b)
+                if b not in keep:
+                    self.free[b] = None
+        return freed
 
     def forget(self, rid: str, blocks: list[int]) -> None:
         for b in blocks:
             if self.kept.get(b, ("",))[0] == rid:
                 del self.kept[b]
+
+    def cache(self, b: int, h: int) -> None:
+        """Block b holds the full prefix block whose hash is h (the first block to hold it
+        stays the one found)."""
+        if self.caching and h not in self.block_of and b not in self.hash_of:
+            self.block_of[h], self.hash_of[b] = b, h
+
+    def lookup(self, h: int) -> int | None:
+        return self.block_of.get(h)
 
 
 @dataclass(slots=True)
@@ -92,6 +128,24 @@ class SeqKV:
     num_clean: int = 0        # logical blocks [0, num_clean) equal their host copy
     on_host: bool = False
     kept: list[int] = field(default_factory=list)         # device blocks it had when parked
+    hashes: list[int] = field(default_factory=list)       # of its full blocks, as indexed
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where a request's first blocks come from when it starts or comes back to the device:
+    block i from device[i] (a block that holds it: kept, or cached by its hash) or, where that
+    is None, copied from host[i]; blocks after these are new. It costs `room` free device
+    blocks (the new ones, and cached blocks taken off the free list; a block in use or fenced
+    costs none) and `host_room` free host blocks (cached host blocks it takes as mirrors)."""
+    device: list[int | None]
+    host: list[int]
+    room: int
+    host_room: int = 0
+
+    @property
+    def copies(self) -> int:
+        return self.device.count(None)
 
 
 @dataclass(slots=True)
@@ -103,14 +157,22 @@ class SwapOutEffect:
     copies: int
 
 
+CACHING = ("off", "device", "both")  # prefix caching: none, the device tier, both tiers
+
+
 class BlockManager:
     def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int,
-                 duplex: bool = True, prealloc: int = 0):
+                 duplex: bool = True, prealloc: int = 0, caching: str = "off"):
         if block_size <= 0:
             raise KVError(f"block_size must be positive, got {block_size}")
+        if caching not in CACHING:
+            raise KVError(f"prefix caching must be one of {', '.join(CACHING)}, got {caching!r}")
         self.block_size, self.duplex, self.prealloc = block_size, duplex, prealloc
-        self.device = BlockPool("device", num_device_blocks)
-        self.host = BlockPool("host", num_host_blocks)
+        self.device = BlockPool("device", num_device_blocks, caching != "off")
+        self.host = BlockPool("host", num_host_blocks, caching == "both")
+        # blocks whose content a copy of this epoch is still writing: indexed when it closes,
+        # so a request that takes them copies or reads them only after that copy (DuplexCopier)
+        self.pending: list[tuple[BlockPool, int, int]] = []
         self.seqs: dict[str, SeqKV] = {}
         self.epoch = 0                   # copies planned now belong to this epoch
         self.busy: dict[int, int] = {}   # device block -> epoch of the last copy reading it
@@ -144,21 +206,22 @@ class BlockManager:
         s = self.seqs.get(rid, SeqKV())
         return max(0, self.blocks_for(s.num_tokens + n) - len(s.block_table))
 
-    def swap_out_effect(self, rid: str, drop_tokens: int = 0) -> SwapOutEffect:
-        """The effect of shrink(rid, drop_tokens) followed by swap_out(rid), without doing it."""
+    def swap_out_effect(self, rid: str, drop_tokens: int = 0,
+                        taken: set[int] = frozenset()) -> SwapOutEffect:
+        """The effect of shrink(rid, drop_tokens) followed by swap_out(rid), without doing it.
+        Blocks rid shares stay, and so do those in `taken` (a request starting takes them)."""
         s = self.seq(rid)
         keep = self.blocks_for(s.num_tokens - drop_tokens)
         clean = min(s.num_clean, keep)
-        room = len(s.block_table)
+        alone = {b for b in s.block_table if self.device.refs[b] == 1} - taken
         if self.duplex:  # dirty blocks, and blocks still read by copies, stay fenced for now
-            fenced = s.block_table[clean:keep] + [b for b in s.block_table[:clean] +
-                                                  s.block_table[keep:] if b in self.busy]
-            room -= len(set(fenced))
-        return SwapOutEffect(room, max(0, keep - len(s.host_blocks)), keep - clean)
+            alone -= {b for b in s.block_table if b in self.busy}
+            alone -= set(s.block_table[clean:keep])
+        return SwapOutEffect(len(alone), max(0, keep - len(s.host_blocks)), keep - clean)
 
     def usage(self, tier: str) -> float:
         pool = self.device if tier == "device" else self.host
-        return len(pool.owner) / pool.capacity if pool.capacity else 1.0
+        return pool.num_used / pool.capacity if pool.capacity else 1.0
 
     # ------------------------------------------------------------ growth and write-back
     def append(self, rid: str, n: int) -> list[int]:
@@ -203,6 +266,7 @@ class BlockManager:
             upto += 1
         pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, upto)]
         self._mark_busy(pairs)
+        self._index_later(self.host, s, range(s.num_clean, upto), s.host_blocks)
         s.num_clean = upto
         return pairs
 
@@ -216,37 +280,107 @@ class BlockManager:
         n = self.blocks_for(s.num_tokens)
         pairs = [(s.block_table[i], s.host_blocks[i]) for i in range(s.num_clean, n)]
         self._mark_busy(pairs)
-        self._free_device(rid, s.block_table)
+        self._index_later(self.host, s, range(s.num_clean, n), s.host_blocks)
+        freed = set(self._free_device(rid, s.block_table))
         if self.duplex:
             s.kept = s.block_table[:n]
-            self.device.kept.update((b, (rid, i)) for i, b in enumerate(s.kept))
+            self.device.kept.update((b, (rid, i)) for i, b in enumerate(s.kept) if b in freed)
         s.block_table, s.num_clean, s.on_host = [], n, True
         return pairs
 
-    def swap_in_copies(self, rid: str) -> int:
-        """Blocks a swap-in of rid would copy: those not still held, free, on the device."""
+    def swap_in_placement(self, rid: str) -> Placement:
+        """Where parked rid's blocks would come from: those it left on the device and that are
+        still there, blocks of its prefix cached on the device, and copies of the others."""
         s = self.seq(rid)
-        return self.blocks_for(s.num_tokens) - sum(
-            1 for i, b in enumerate(s.kept) if self.device.kept.get(b) == (rid, i)
-            and b in self.device.free)
+        device = []
+        for i in range(self.blocks_for(s.num_tokens)):
+            b = s.kept[i] if i < len(s.kept) else None
+            if b is None or self.device.kept.get(b) != (rid, i) or b not in self.device.free:
+                b = self._cached(s.hashes[i]) if i < len(s.hashes) else None
+            device.append(b)
+        room = sum(1 for b in device if b is None or b in self.device.free)
+        return Placement(device, s.host_blocks, room)
+
+    def swap_in_copies(self, rid: str) -> int:
+        """Blocks a swap-in of rid would copy."""
+        return self.swap_in_placement(rid).copies
 
     def swap_in(self, rid: str) -> Pairs:
-        """Bring rid back to device: blocks it left there are taken back as they are, the others
-        copied; the host copy stays as its mirror."""
+        """Bring rid back to device: blocks still on the device are taken as they are, the
+        others copied; the host copy stays as its mirror."""
         s = self.seq(rid)
         assert s.on_host, f"{rid} is not on host"
-        n = self.blocks_for(s.num_tokens)
-        back = {i for i, b in enumerate(s.kept) if self.device.reclaim(rid, b, i)}
-        new = iter(self.device.allocate(rid, n - len(back)))
-        s.block_table = [s.kept[i] if i in back else next(new) for i in range(n)]
+        p = self.swap_in_placement(rid)
+        for i, b in enumerate(p.device):
+            if b is not None and not self.device.reclaim(rid, b, i):
+                self._share(b)
+        pairs = self._fill(rid, s, p)
         self.device.forget(rid, s.kept)
-        pairs = [(s.host_blocks[i], s.block_table[i]) for i in range(n) if i not in back]
-        s.on_host, s.num_clean, s.kept = False, n, []
+        s.on_host, s.num_clean, s.kept = False, len(p.device), []
         if not self.duplex:  # vLLM v0: host blocks are freed once swapped back in, and reused
-            self.host.release(rid, s.host_blocks, keep=set(s.host_blocks))  # after this epoch
-            self.host_fenced += s.host_blocks
+            freed = self.host.release(rid, s.host_blocks, keep=set(s.host_blocks))  # after
+            self.host_fenced += freed                                                # this epoch
             s.host_blocks, s.num_clean = [], 0
         return pairs
+
+    def _fill(self, rid: str, s: SeqKV, p: Placement) -> Pairs:
+        """s's block table from a placement whose device blocks are taken: new blocks where
+        it has none, each a copy of its host block; returns those copies."""
+        new = iter(self.device.allocate(rid, p.copies))
+        s.block_table = [next(new) if b is None else b for b in p.device]
+        copied = [i for i, b in enumerate(p.device) if b is None]
+        self._index_later(self.device, s, copied, s.block_table)
+        return [(p.host[i], s.block_table[i]) for i in copied]
+
+    # ------------------------------------------------------------ prefix caching
+    def prefix_placement(self, hashes: list[int], host_tier: bool = True) -> Placement:
+        """Where a new request's cached prefix is: the longest run of its full blocks (hashes)
+        each held on the device or in the longest run held on host (host_tier). It takes the
+        host run as its mirrors and copies from it the blocks the device does not hold."""
+        device = [self._cached(h) for h in hashes]
+        host = [self.host.lookup(h) if host_tier else None for h in hashes] + [None]
+        host = host[:host.index(None)]
+        n = max(len(host), device.index(None) if None in device else len(device))
+        device = device[:n]
+        room = sum(1 for b in device if b is None or b in self.device.free)
+        return Placement(device, host, room, sum(1 for b in host if b in self.host.free))
+
+    def start(self, rid: str, hashes: list[int], p: Placement) -> Pairs:
+        """A new request takes its cached prefix (p, from prefix_placement(hashes)): returns
+        the host -> device copies; it computes from the token after the prefix."""
+        if rid in self.seqs:
+            raise KVError(f"{rid} already holds blocks")
+        if not p.device:
+            return []
+        for b in p.device:
+            if b is not None:
+                self._share(b)
+        for b in p.host:
+            if b in self.host_fenced:  # vLLM v0: its swap-in finished with it this epoch
+                self.host_fenced.remove(b)
+            self.host.share(b)
+        s = self.seqs[rid] = SeqKV(host_blocks=list(p.host), num_clean=len(p.host),
+                                   num_tokens=len(p.device) * self.block_size,
+                                   hashes=hashes[:len(p.device)])
+        return self._fill(rid, s, p)
+
+    def cache(self, rid: str, hashes: list[int]) -> None:
+        """rid's first len(hashes) blocks are full and computed: index the new ones."""
+        s = self.seq(rid)
+        for i in range(len(s.hashes), len(hashes)):
+            s.hashes.append(hashes[i])
+            self.device.cache(s.block_table[i], hashes[i])
+
+    def _cached(self, h: int) -> int | None:
+        """The device block holding hash h, if one does and it may be read now."""
+        return self.device.lookup(h)
+
+    def _share(self, b: int) -> None:
+        self.fenced.discard(b)  # still read by a copy out: it is fenced again if freed
+        self.device.share(b)
+
+    def _index_later(self, pool: BlockPool, s: SeqKV, indices, blocks: list[int]) -> None:
+        self.pending += [(pool, blocks[i], s.hashes[i]) for i in indices if i < len(s.hashes)]
 
     def free(self, rid: str) -> None:
         """Drop every block of rid on both tiers (finish, abort or recompute-preemption)."""
@@ -264,15 +398,22 @@ class BlockManager:
         for src, _ in pairs:
             self.busy[src] = self.epoch
 
-    def _free_device(self, rid: str, blocks: list[int]) -> None:
+    def _free_device(self, rid: str, blocks: list[int]) -> list[int]:
+        """Let go of rid's device blocks; returns those nobody holds now (free, or fenced while
+        a copy still reads them)."""
         held = {b for b in blocks if b in self.busy}
-        self.device.release(rid, blocks, keep=held)
-        self.fenced |= held
+        freed = self.device.release(rid, blocks, keep=held)
+        self.fenced.update(b for b in freed if b in held)
+        return freed
 
     def next_epoch(self) -> int:
         """Close the current epoch of planned copies; returns the one just closed."""
         self.host.free.update(dict.fromkeys(self.host_fenced))  # v0: an epoch's copies land
         self.host_fenced = []                                    # before the next one
+        for pool, b, h in self.pending:
+            if b in pool.refs:
+                pool.cache(b, h)
+        self.pending = []
         self.epoch += 1
         return self.epoch - 1
 
@@ -294,24 +435,28 @@ class BlockManager:
         for pool in (self.device, self.host):
             free = set(pool.free)
             assert len(free) == len(pool.free), f"{pool.name}: a block is free twice"
-            assert not free & set(pool.owner), f"{pool.name}: a block is both free and owned"
+            assert not free & set(pool.refs), f"{pool.name}: a block is both free and in use"
+            assert all(pool.block_of[h] == b for b, h in pool.hash_of.items()), pool.name
+            assert len(pool.block_of) == len(pool.hash_of), f"{pool.name}: hash index"
         fenced = self.fenced
-        assert not fenced & set(self.device.free) and not fenced & set(self.device.owner)
-        assert not set(self.device.kept) & set(self.device.owner), "a kept block is in use"
-        assert self.device.num_free + len(self.device.owner) + len(fenced) == self.device.capacity
-        host_used = len(self.host.owner) + len(self.host_fenced)
+        assert not fenced & set(self.device.free) and not fenced & set(self.device.refs)
+        assert not set(self.device.kept) & set(self.device.refs), "a kept block is in use"
+        assert self.device.num_free + self.device.num_used + len(fenced) == self.device.capacity
+        host_used = self.host.num_used + len(self.host_fenced)
         assert self.host.num_free + host_used == self.host.capacity
         for rid, s in self.seqs.items():
-            assert all(self.device.owner[b] == rid for b in s.block_table), rid
-            assert all(self.host.owner[b] == rid for b in s.host_blocks), rid
             n = self.blocks_for(s.num_tokens)
             if s.on_host:
                 assert not s.block_table and len(s.host_blocks) >= n, f"{rid}: parked, not on host"
             else:
                 assert len(s.block_table) >= n, f"{rid}: running without blocks for its tokens"
                 assert s.num_clean <= min(len(s.host_blocks), len(s.block_table)), rid
-        assert sum(len(s.block_table) for s in self.seqs.values()) == len(self.device.owner)
-        assert sum(len(s.host_blocks) for s in self.seqs.values()) == len(self.host.owner)
+            assert len(s.hashes) <= s.num_tokens // self.block_size, f"{rid}: hash of a partial"
+        # every reference is one request's block table or mirror: none lost, none made up
+        held = Counter(b for s in self.seqs.values() for b in s.block_table)
+        assert held == Counter(self.device.refs), "device reference counts"
+        mirrors = Counter(b for s in self.seqs.values() for b in s.host_blocks)
+        assert mirrors == Counter(self.host.refs), "host reference counts"
 
 
 # ---------------------------------------------------------------- tensors

@@ -21,14 +21,16 @@ step N computes from step N + 1, so its swap-in runs under step N's forward (kv.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-from kv import BlockManager, Pairs
+from kv import BlockManager, Pairs, Placement
 
 
 class Status(Enum):
@@ -62,6 +64,8 @@ class Request:
     finish_reason: str | None = None
     rotations: int = 0
     recomputes: int = 0
+    hashes: list[int] = field(default_factory=list)  # of its full blocks (prefix caching): from
+    num_cached: int = 0                     # its tokens, or given; prompt tokens found cached
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +81,14 @@ class Request:
         if start >= p:
             return self.output[start - p:end - p]
         return (self.prompt or [])[start:end] + self.output[:max(0, end - p)]
+
+
+def block_hash(parent: int, tokens: list[int]) -> int:
+    """A full block's identity for prefix caching: its tokens and, through its parent's hash,
+    every token before them. A cryptographic hash, so a prompt cannot be crafted to collide
+    with another user's prefix and read its KV."""
+    data = parent.to_bytes(8, "little") + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 class Room(NamedTuple):
@@ -95,6 +107,7 @@ class StepPlan:
     swap_out: Pairs = field(default_factory=list)   # device -> host: rotations, write-backs
     written_back: int = 0                           # of swap_out, write-backs (the rest rotate)
     swap_in: Pairs = field(default_factory=list)    # host -> device
+    prefix_in: int = 0                              # of swap_in, cached prefixes (the rest rotate)
     admitted: list[str] = field(default_factory=list)    # on device for the first time
     resumed: list[str] = field(default_factory=list)     # back after a recompute-preemption
     rotated_in: list[str] = field(default_factory=list)  # swapped back in
@@ -254,7 +267,7 @@ class RotaSchedLVF(Policy):
         return [sorted(s.waiting + s.rotary, key=lambda r: self.rank(r, now))]
 
     def may_rotate_for(self, s, c, now):
-        return s.bm.blocks_for(c.num_tokens) > s.bm.num_free  # rotation frees KV room
+        return s.blocks_needed(c) > s.bm.num_free  # rotation frees KV room
 
     def victims(self, s, plan, now):
         ok = [v for v in s.running if v.tokens_since_admit and self.can_go(s, v, now)
@@ -334,10 +347,12 @@ class RotaSched(RotaSchedLVF):
     def may_pass(self, s, c, now):
         return (c.status is Status.WAITING and self.lag(c, now) < 0
                 and c.num_tokens <= self.BACKFILL * s.cfg.max_num_batched_tokens
-                and s.bm.blocks_for(c.num_tokens) <= s.bm.num_free)
+                and s.blocks_needed(c) <= s.bm.num_free)
 
     def victim(self, s, r, now):
-        return s.running[-1]
+        """The last admitted, unless its cached prefix is still copying in: rotated out
+        before it computes, it would wait for free room with its first token still owed."""
+        return next((v for v in reversed(s.running) if v.rid not in s.loading), s.running[-1])
 
 
 class RotaSchedReleased(Policy):
@@ -441,6 +456,10 @@ class Scheduler:
         # tokens sampled and rotated-in requests the policy saw stalled: recent history only,
         # both halved whenever the tokens reach WINDOW (see update)
         self.num_generated = self.num_stalls = 0
+        # prompt tokens of started requests, those found cached, and of those the ones on host;
+        # the requests started last step whose cached prefix is still copying in from host
+        self.cache_queries = self.cache_hits = self.cache_host_hits = 0
+        self.loading: set[str] = set()
         self.log = open(cfg.log_path, "w") if cfg.log_path else None
         settings = {k: v for k, v in vars(cfg).items() if k != "log_path"}
         self._log(event="config", settings=settings, device_blocks=bm.device.capacity,
@@ -455,7 +474,7 @@ class Scheduler:
         """The policy cfg names, over a block manager of the given pool sizes."""
         policy = make_policy(cfg.policy, cfg.ttft_slo, cfg.tbt_slo)
         bm = BlockManager(num_device_blocks, num_host_blocks, cfg.block_size, policy.duplex,
-                          -(-policy.prealloc_tokens // cfg.block_size))
+                          -(-policy.prealloc_tokens // cfg.block_size), cfg.prefix_caching)
         return cls(bm, policy, cfg)
 
     # ------------------------------------------------------------ requests in and out
@@ -475,7 +494,7 @@ class Scheduler:
         self.waiting.append(r)
         self._log(event="add", rid=r.rid, arrival=r.arrival, num_prompt=r.num_prompt,
                   max_tokens=r.max_tokens, priority=r.priority, ttft_slo=r.ttft_slo,
-                  tbt_slo=r.tbt_slo)
+                  tbt_slo=r.tbt_slo, **self._identity(r))
 
     def finish(self, rid: str, reason: str) -> None:
         """End a request that the executor found complete (a stop string)."""
@@ -508,6 +527,7 @@ class Scheduler:
         self._budget, self._xfer = self.cfg.max_num_batched_tokens, self._cap
         self.policy.before_run(self, plan, now)
         self._run(plan, now)
+        self.loading.clear()
         for queue in self.policy.queues(self, plan, now):
             self._admit(plan, queue, now)
         self._write_back(plan)
@@ -561,7 +581,7 @@ class Scheduler:
                 continue
             for v in victims:
                 self.rotate_out(plan, v, for_rid=c.rid, proactive=True)
-            self._start(plan, c, now)
+            self._start(plan, c, now, host=not victims)
 
     def _victims_for(self, plan: StepPlan, c: Request, now: float) -> list[Request] | None:
         """The running requests to rotate out so that c fits this step ([] if it fits as is),
@@ -573,9 +593,10 @@ class Scheduler:
         if not self.policy.may_rotate_for(self, c, now):
             return None
         chosen: list[Request] = []
+        taken = set(self.placement(c, host=False).device)  # blocks c takes stay on the device
         for v in self.policy.victims(self, plan, now):  # none started this step: they had no
             drop = plan.chunks.get(v, 0)                 # token since they came in
-            e = self.bm.swap_out_effect(v.rid, drop)
+            e = self.bm.swap_out_effect(v.rid, drop, taken)
             more = Room(cost.room + e.room, cost.budget + drop, cost.host + e.host_need,
                         cost.moves + e.copies)
             if more.host > self.bm.host.num_free or more.moves > self._xfer:
@@ -589,40 +610,92 @@ class Scheduler:
     def _fits(self, plan: StepPlan, c: Request, cost: Room, victims: int) -> bool:
         """Would c fit this step with `cost`: the room, token budget, host blocks and moves that
         rotating `victims` requests out leaves? The one place where a step's room is counted."""
-        n = self._first_chunk(c, cost.budget)
-        moves = cost.moves
-        if c.status is Status.ROTARY:
-            moves += self.bm.swap_in_copies(c.rid)
-        elif n == 0 or (victims and c.num_computed + n < c.num_tokens):
-            return False  # a new request computes when admitted; a rotation buys its first token
-        return (self.bm.blocks_for(c.num_computed + n) <= cost.room
+        p = self.placement(c, host=not victims)
+        start = self._start_at(c, p)
+        n = self._first_chunk(c, p, cost.budget)
+        if c.status is Status.WAITING and victims and start + n < c.num_tokens:
+            return False  # a rotation must buy the candidate its first token
+        return (self._room_needed(p, start + n) <= cost.room
                 and len(self.running) - victims < self.cfg.max_num_seqs
-                and cost.host <= self.bm.host.num_free and moves <= self._xfer)
+                and cost.host + p.host_room <= self.bm.host.num_free
+                and cost.moves + p.copies <= self._xfer)
 
-    def _first_chunk(self, c: Request, budget: int) -> int:
-        """Tokens c computes in the step it is started: none for a swap-in that overlaps compute
-        (it joins at the next step, its copy under this step's forward) unless nothing needs
-        copying (every block it left on the device is still there)."""
-        if c.status is Status.ROTARY and self.overlap and self.bm.swap_in_copies(c.rid):
+    def _first_chunk(self, c: Request, p: Placement, budget: int) -> int:
+        """Tokens c computes in the step it is started: none where blocks are copied in and
+        the copy overlaps compute (it joins at the next step, its copy under this step's
+        forward)."""
+        if self.overlap and p.copies:
             return 0
-        return min(c.num_tokens - c.num_computed, budget)
+        return min(c.num_tokens - self._start_at(c, p), budget)
 
-    def _start(self, plan: StepPlan, c: Request, now: float) -> None:
-        n = self._first_chunk(c, self._budget)
+    def _start(self, plan: StepPlan, c: Request, now: float, host: bool = True) -> None:
+        p = self.placement(c, host)
+        n = self._first_chunk(c, p, self._budget)
         if c.status is Status.ROTARY:
             self.num_stalls += self.policy.stalled(c, now)
             pairs = self.bm.swap_in(c.rid)
-            self._xfer -= len(pairs)
-            plan.swap_in += pairs
             self.rotary.remove(c)
             plan.rotated_in.append(c.rid)
         else:
+            pairs = self._take_prefix(c, p)
+            plan.prefix_in += len(pairs)
+            if pairs and not n:
+                self.loading.add(c.rid)
             self.waiting.remove(c)
             (plan.resumed if c.recomputes else plan.admitted).append(c.rid)
+        self._xfer -= len(pairs)
+        plan.swap_in += pairs
         self.running.append(c)
         c.status, c.t_admitted, c.tokens_since_admit = Status.RUNNING, now, 0
         if n:
             self._compute(plan, c, n)
+
+    # ------------------------------------------------------------ prefix caching
+    def hashes(self, r: Request, n: int) -> list[int]:
+        """The hashes of r's first n full blocks, computed from its tokens once (fewer where it
+        has no more: the simulator's requests carry theirs)."""
+        size = self.bm.block_size
+        while r.prompt is not None and len(r.hashes) < n:
+            i = len(r.hashes)
+            tokens = r.token_slice(i * size, (i + 1) * size)
+            r.hashes.append(block_hash(r.hashes[-1] if i else 0, tokens))
+        return r.hashes[:n]
+
+    def placement(self, c: Request, host: bool = True) -> Placement:
+        """Where queued c's blocks would come from if it started now; a new request started by
+        rotating others out takes no cached prefix from host (host=False): the victims' copies
+        out may take the host blocks it would copy from, and its copy in would cost the step
+        that buys its first token."""
+        if c.status is Status.ROTARY:
+            return self.bm.swap_in_placement(c.rid)
+        if self.cfg.prefix_caching == "off":
+            return Placement([], [], 0)
+        # the last token is always computed: its logits give the next token
+        hashes = self.hashes(c, (c.num_tokens - 1) // self.bm.block_size)
+        return self.bm.prefix_placement(hashes, host)
+
+    def blocks_needed(self, c: Request) -> int:
+        """Free device blocks queued c needs to compute all its tokens."""
+        return self._room_needed(self.placement(c), c.num_tokens)
+
+    def _room_needed(self, p: Placement, tokens: int) -> int:
+        return p.room + max(0, self.bm.blocks_for(tokens) - len(p.device))
+
+    def _start_at(self, c: Request, p: Placement) -> int:
+        """The token queued c computes from: where it stopped, or after its cached prefix."""
+        return c.num_computed if c.status is Status.ROTARY else len(p.device) * self.bm.block_size
+
+    def _take_prefix(self, c: Request, p: Placement) -> Pairs:
+        """New c takes its cached prefix: the host -> device copies of the blocks on host."""
+        pairs = self.bm.start(c.rid, self.hashes(c, len(p.device)), p)
+        c.num_computed = self._start_at(c, p)
+        if self.cfg.prefix_caching != "off":
+            self.cache_queries += c.num_tokens
+            self.cache_hits += c.num_computed
+            self.cache_host_hits += len(pairs) * self.bm.block_size
+        if not c.recomputes:
+            c.num_cached = c.num_computed
+        return pairs
 
     # ------------------------------------------------------------ mechanism pieces
     def _compute(self, plan: StepPlan, r: Request, n: int) -> None:
@@ -685,8 +758,7 @@ class Scheduler:
     def fits_all(self, requests: list[Request]) -> bool:
         """Could free device blocks hold what every one of these requests needs next?"""
         need = sum(self.bm.new_blocks_needed(r.rid, r.num_tokens - r.num_computed)
-                   if r.status is Status.RUNNING else self.bm.blocks_for(r.num_tokens)
-                   for r in requests)
+                   if r.status is Status.RUNNING else self.blocks_needed(r) for r in requests)
         return need <= self.bm.num_free
 
     def _write_back(self, plan: StepPlan) -> None:
@@ -721,6 +793,8 @@ class Scheduler:
             if r.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             r.num_computed += n
+            if self.cfg.prefix_caching != "off":  # index the blocks this step filled
+                self.bm.cache(r.rid, self.hashes(r, r.num_computed // self.bm.block_size))
             if r.num_computed < r.num_tokens:
                 continue  # a prefill chunk: no token yet
             tok = sampled[r.rid]
@@ -740,9 +814,18 @@ class Scheduler:
         if self.num_generated >= WINDOW:  # a long-running server's calm hours must not pay
             self.num_generated, self.num_stalls = (  # for stalls under load
                 self.num_generated // 2, self.num_stalls // 2)
+        tokens = {r.rid: sampled[r.rid] for r in plan.chunks if r.rid in sampled}
         self._log(event="step", step=self.num_steps - 1, now=plan.now, done=now,
-                  landed=plan.landed, **plan.decisions(), stopped=stopped)
+                  landed=plan.landed, **plan.decisions(), stopped=stopped,
+                  **({"sampled": tokens} if self.cfg.prefix_caching != "off" else {}))
         return finished
+
+    def _identity(self, r: Request) -> dict:
+        """What a replay needs to find r's cached prefixes: its tokens (the step records carry
+        the sampled ones) or the block hashes it was given."""
+        if self.cfg.prefix_caching == "off":
+            return {}
+        return {"prompt": r.prompt} if r.prompt is not None else {"hashes": r.hashes}
 
     def _log(self, **record) -> None:
         if self.log:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from tokenizers.decoders import DecodeStream
 
-from kv import Runner, pool_sizes
+from kv import CACHING, Runner, pool_sizes
 from model import ModelLoadError, Seq
 from parallel.tp import TPRunner
 from sched import Request, Scheduler, Status, make_policy
@@ -62,10 +62,12 @@ def check_float(name: str, value, lo: float = 0.0, hi: float = math.inf,
         raise ConfigError(f"{name} must be in {left}{lo:g}, {hi:g}{right}, got {value}")
 
 
-def setting(default, help: str, kind: type = str, lo=None, hi=None):
-    """One engine setting, stated once: its default, its --help text, its type and bounds
-    (EngineConfig checks them; the CLI, the server and bench.py make their flags from them)."""
-    return field(default=default, metadata={"help": help, "kind": kind, "lo": lo, "hi": hi})
+def setting(default, help: str, kind: type = str, lo=None, hi=None, choices=None):
+    """One engine setting, stated once: its default, its --help text, its type and bounds or
+    choices (EngineConfig checks them; the CLI, the server and bench.py make their flags from
+    them)."""
+    return field(default=default, metadata={"help": help, "kind": kind, "lo": lo, "hi": hi,
+                                            "choices": choices})
 
 
 U64 = 2**64 - 1
@@ -97,6 +99,8 @@ class EngineConfig:
     ttft_slo: float = setting(5.0, "time-to-first-token SLO, seconds (per-request values "
                               "override it)", float, 0.0)
     tbt_slo: float = setting(0.1, "time-between-tokens SLO, seconds", float, 0.0)
+    prefix_caching: str = setting("both", "reuse the KV of cached prompt prefixes: off, device, "
+                                  "or both (the device, then the host pool)", choices=CACHING)
     host_admit_limit: float = setting(0.9, "hold new requests while host KV usage is above this "
                                       "fraction", float, 0.0, 1.0)
     swap_in_overlap: bool | None = setting(None, "on: a swapped-in request runs one step later, "
@@ -116,6 +120,9 @@ class EngineConfig:
                 check_float(f.name, value, meta["lo"], meta["hi"] or math.inf)
             elif meta["kind"] is bool and value not in (None, True, False):
                 raise ConfigError(f"{f.name} must be true, false or None, got {value!r}")
+            elif meta["choices"] and value not in meta["choices"]:
+                raise ConfigError(f"{f.name} must be one of {', '.join(meta['choices'])}, "
+                                  f"got {value!r}")
         for name in ("model", "log_path"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path or None, got {getattr(self, name)!r}")
@@ -162,8 +169,13 @@ def add_engine_flags(ap: argparse.ArgumentParser, skip: tuple[str, ...] = (), **
         default = defaults.get(f.name, f.default)
         flag = "--log" if f.name == "log_path" else "--" + f.name.replace("_", "-")
         typed = {"choices": list(ON_OFF)} if kind is bool else {"type": kind}
+        if f.metadata["choices"]:
+            typed["choices"] = f.metadata["choices"]
         group.add_argument(flag, dest=f.name, default=default, **typed,
                            help=f"{text} (default: {default})" if default is not None else text)
+    if "prefix_caching" not in skip:  # vLLM's spelling of "off"
+        group.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_const",
+                           const="off", help="the same as --prefix-caching off")
 
 
 def engine_config(ap: argparse.ArgumentParser, args, **override) -> EngineConfig:
@@ -184,8 +196,9 @@ def engine_config(ap: argparse.ArgumentParser, args, **override) -> EngineConfig
 # ---------------------------------------------------------------- requests and sampling
 
 # what the blocks copied between the tiers were for (Engine.stats, the server's /metrics):
-# DuplexKV's eager write-backs to host mirrors, and rotations' copies out and back in
-KV_COPIES = ("written_back", "rotated_out", "rotated_in")
+# DuplexKV's eager write-backs to host mirrors, rotations' copies out and back in, and cached
+# prefixes loaded from the host tier
+KV_COPIES = ("written_back", "rotated_out", "rotated_in", "prefix_loaded")
 
 
 @dataclass
@@ -243,6 +256,7 @@ class RequestOutput:
     finish_reason: str | None    # "stop", "length", "abort", "error"; None while running
     metrics: RequestMetrics
     error: Exception | None = None  # why the request was rejected or failed; others still ran
+    num_cached_tokens: int = 0      # prompt tokens whose KV a cached prefix gave
 
     @property
     def finished(self) -> bool:
@@ -435,7 +449,8 @@ class Engine:
         self.recomputes += len(plan.preempted)
         self.blocks["written_back"] += plan.written_back
         self.blocks["rotated_out"] += len(plan.swap_out) - plan.written_back
-        self.blocks["rotated_in"] += len(plan.swap_in)
+        self.blocks["rotated_in"] += len(plan.swap_in) - plan.prefix_in
+        self.blocks["prefix_loaded"] += plan.prefix_in
         finished = {r.rid for r in self.sched.update(plan, sampled, self.clock())}
         return [self._emit(rid, tok, rid in finished) for rid, tok in sampled.items()]
 
@@ -502,7 +517,7 @@ class Engine:
         m = RequestMetrics(r.arrival, times[0] if times else None, times, done, r.rotations,
                            r.recomputes)
         return RequestOutput(rid, s.prompt_text, list(r.prompt or []), list(r.output), s.text,
-                             r.finish_reason, m, s.error)
+                             r.finish_reason, m, s.error, r.num_cached)
 
     def release(self, rid: str) -> None:
         """Forget a finished request (long-running servers call this)."""
@@ -517,6 +532,9 @@ class Engine:
                 **{f"{k}_bytes": n * self.block_bytes for k, n in self.blocks.items()},
                 "running": len(self.sched.running), "waiting": len(self.sched.waiting),
                 "rotary": len(self.sched.rotary), "device_usage": self.bm.usage("device"),
+                "prefix_cache_queries": self.sched.cache_queries,
+                "prefix_cache_hits": self.sched.cache_hits,
+                "prefix_cache_host_hits": self.sched.cache_host_hits,
                 "host_usage": self.bm.usage("host")}
 
     @property

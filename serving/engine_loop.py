@@ -5,8 +5,8 @@ The HTTP side (server.py) sends it commands and gets back one message per engine
     in:   ("add", rid, token_ids, SamplingParams, extras, stream)   ("abort", rid)   ("stop",)
     out:  ("events", [event, ...], stats)   then, after "stop", ("bye",)
     event ("accepted", rid) | ("rejected", rid, message) | ("token", rid, text) |
-          ("done", rid, {finish_reason, error, text, prompt_tokens, completion_tokens, arrival,
-                         token_times})
+          ("done", rid, {finish_reason, error, text, prompt_tokens, completion_tokens,
+                         cached_tokens, arrival, token_times})
 
 In a process (`EngineProcess`, what `python superinfer.py serve` runs) the engine's step loop
 shares no interpreter lock with the HTTP server, tokenizer or SSE framing; in a thread
@@ -95,6 +95,7 @@ class Loop:
                               "error": None if out.error is None else str(out.error),
                               "prompt_tokens": len(out.prompt_token_ids),
                               "completion_tokens": len(out.token_ids),
+                              "cached_tokens": out.num_cached_tokens,
                               "arrival": m.arrival_time, "token_times": m.token_times})
 
 

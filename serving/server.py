@@ -73,7 +73,17 @@ class Metrics:
                               buckets=(.05, .1, .25, .5, 1, 2, 5, 10, 30, 60))
         self.tbt = Histogram("superinfer_inter_token_seconds", "gap between two tokens", registry=r,
                              buckets=(.01, .025, .05, .1, .2, .5, 1, 2, 5))
-        self.counters = {"rotations": self.rotations, "recomputes": self.recomputes} | {
+        # vLLM's names: prompt tokens looked up in the prefix cache, and found there
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "prompt tokens looked up in "
+                                     "the prefix cache", registry=r)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix "
+                                  "cache (either tier)", registry=r)
+        self.host_hits = Counter("superinfer_prefix_cache_host_hits", "prompt tokens found in "
+                                 "the host tier's prefix cache", registry=r)
+        self.counters = {"rotations": self.rotations, "recomputes": self.recomputes,
+                         "prefix_cache_queries": self.cache_queries,
+                         "prefix_cache_hits": self.cache_hits,
+                         "prefix_cache_host_hits": self.host_hits} | {
             f"{name}_bytes": c for name, c in self.kv_bytes.items()}
         self.last = dict.fromkeys(self.counters, 0)
 
@@ -191,7 +201,8 @@ def sampling(body: Body, n_prompt: int, max_len: int, default_max: int, what: st
 
 def usage_of(out: dict) -> dict:
     n, m = out["prompt_tokens"], out["completion_tokens"]
-    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
+            "prompt_tokens_details": {"cached_tokens": out["cached_tokens"]}}
 
 
 def whole(out: dict, ident: str, created: int, model: str, chat: bool) -> dict:

@@ -182,11 +182,11 @@ def test_a_parked_request_takes_back_the_device_blocks_nobody_reused():
     bm.swap_out("a")
     bm.next_epoch()
     bm.copies_done()
-    bm.append("b", 24)                                   # the 6 oldest free blocks: 3..7, 0
-    bm.free("b")                                         # block 0 was written by b meanwhile
+    bm.append("b", 24)            # the 6 oldest free blocks: 3..7, then 2 (a freed its tail first)
+    bm.free("b")                                         # block 2 was written by b meanwhile
     assert bm.swap_in_copies("a") == 1
-    pairs = bm.swap_in("a")
-    assert pairs == [(bm.seqs["a"].host_blocks[0], 3)] and bm.block_table("a") == [3, 1, 2]
+    pairs = bm.swap_in("a")                              # into the oldest free block: 2 again
+    assert pairs == [(bm.seqs["a"].host_blocks[2], 2)] and bm.block_table("a") == [0, 1, 2]
     bm.check()
 
 

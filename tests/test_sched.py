@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import sched
 from sched import (POLICIES, Request, RotaSched, RotaSchedLVF, RotaSchedReleased, Scheduler,
                    Status, StepPlan, make_policy)
+from kv import CACHING
 from superinfer import EngineConfig
 from tools import schedlog
 from tools.sim import MODELS, CostModel, Hardware, run_policy, simulate
@@ -59,12 +60,16 @@ POLICY_SPECS = sorted(POLICIES) + ["rotasched-lvf:alpha=1,beta_f=0", "rotasched:
 @given(policy=st.sampled_from(POLICY_SPECS), reqs=workload, dev=st.integers(16, 48),
        host=st.integers(0, 80), bs=st.integers(1, 8), seqs=st.integers(1, 8),
        extra_tokens=st.integers(0, 64), xfer=st.integers(0, 40), step=st.floats(0.001, 0.2),
-       overlap=st.booleans())
+       overlap=st.booleans(), caching=st.sampled_from(CACHING))
 def test_invariants_and_liveness(policy, reqs, dev, host, bs, seqs, extra_tokens, xfer, step,
-                                 overlap):
+                                 overlap, caching):
+    """Any workload, pool and policy, with prompts that share prefixes (by priority class: the
+    same first tokens, or the same first half) cached on neither, one or both tiers."""
     s = make_sched(policy, dev, host, bs, max_num_seqs=seqs, max_num_batched_tokens=seqs + extra_tokens,
-                   xfer_budget=xfer, ttft_slo=0.5, tbt_slo=0.05, swap_in_overlap=overlap)
-    requests = [Request(f"r{i}", p, o, t, priority=pr) for i, (t, p, o, pr) in enumerate(reqs)]
+                   xfer_budget=xfer, ttft_slo=0.5, tbt_slo=0.05, swap_in_overlap=overlap,
+                   prefix_caching=caching)
+    requests = [Request(f"r{i}", p, o, t, priority=pr, prompt=shared_prompt(i, p, pr))
+                for i, (t, p, o, pr) in enumerate(reqs)]
     total = sum(r.num_prompt + r.max_tokens for r in requests)
     # every token is computed at most (1 + recomputes) times; a step computes or moves something
     done, rejected = simulate(s, requests, lambda plan: step, on_step=lambda plan, now: check_step(s, plan),
@@ -77,6 +82,11 @@ def test_invariants_and_liveness(policy, reqs, dev, host, bs, seqs, extra_tokens
         assert r.token_times == sorted(r.token_times)
     s.bm.copies_done()
     assert s.bm.num_free == dev and s.bm.host.num_free == host, "blocks leaked"
+
+
+def shared_prompt(i: int, n: int, kind: int) -> list[int]:
+    base = list(range(100, 140))
+    return base[:n] if kind == 0 else base[:n // 2] + [200 + i] * (n - n // 2)
 
 
 def step_once(s, now, tokens=None):
@@ -354,6 +364,8 @@ def test_the_default_returns_rotated_out_requests_oldest_first_ahead_of_new_ones
     s.waiting.clear()
     for r, out_since in ((old, 2.5), (young, 1.5)):
         r.status, r.t_last_token, r.num_computed = Status.ROTARY, out_since, r.num_prompt
+        s.bm.append(r.rid, r.num_prompt)
+        s.bm.swap_out(r.rid)
         s.rotary.append(r)
     s.waiting.append(new)
     lvf = make_policy("rotasched-lvf", 1.0, 0.1)

@@ -181,6 +181,23 @@ def test_models_health_and_metrics(served):
         assert want in names, want
 
 
+def test_cached_prompt_tokens_are_reported_like_openai(served):
+    """A prompt sent twice: the second finds its full blocks cached (the last token is always
+    computed, for its logits), in usage and in vLLM's /metrics counters."""
+    client, engine, base = served
+    prompt = " ".join(["a long shared system prompt"] * 9)  # several full 8-token blocks
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 8 * 8 > 0
+    assert second.choices[0].text == first.choices[0].text
+    text = urllib.request.urlopen(base + "/metrics").read().decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["vllm:prefix_cache_hits_total"] >= (n - 1) // 8 * 8
+    assert got["vllm:prefix_cache_queries_total"] >= 2 * n
+
+
 def post(base, path, body, raw=False):
     """(status, parsed JSON) of a POST; body is an object, or bytes when raw."""
     data = body if raw else json.dumps(body).encode()

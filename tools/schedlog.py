@@ -76,7 +76,8 @@ def replay(path: str) -> tuple[int, str | None]:
         if kind == "add":
             s.add(Request(rec["rid"], rec["num_prompt"], rec["max_tokens"], rec["arrival"],
                           priority=rec.get("priority", 0), ttft_slo=rec.get("ttft_slo"),
-                          tbt_slo=rec.get("tbt_slo"), stop_ids=frozenset({STOP})))
+                          tbt_slo=rec.get("tbt_slo"), stop_ids=frozenset({STOP}),
+                          prompt=rec.get("prompt"), hashes=rec.get("hashes", [])))
         elif kind == "abort":
             s.abort(rec["rid"], rec.get("reason", "abort"))
         elif kind == "finish":
@@ -88,7 +89,12 @@ def replay(path: str) -> tuple[int, str | None]:
             if why:
                 return steps, f"step {rec['step']} (t={rec['now']:.3f}): log has {why}"
             stopped = set(rec.get("stopped", []))
-            tokens = {r.rid: STOP if r.rid in stopped else 0 for r in plan.chunks}
+            sampled = rec.get("sampled", {})  # logged where prefix caching hashes the tokens
+            tokens = {r.rid: sampled.get(r.rid, 0) for r in plan.chunks}
+            for r in plan.chunks:
+                if r.rid in stopped:  # it stops on this token in the replay too
+                    tokens[r.rid] = sampled.get(r.rid, STOP)
+                    r.stop_ids = frozenset({tokens[r.rid]})
             s.update(plan, tokens, rec["done"])
             steps += 1
     return steps, None

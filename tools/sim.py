@@ -23,12 +23,13 @@ from typing import Callable
 
 import torch
 
-from sched import Request, Scheduler, StepPlan
+from sched import Request, Scheduler, StepPlan, block_hash
+from kv import CACHING
 from superinfer import ConfigError, EngineConfig, Parser
 from tools.schedlog import log_name
 from workload.metrics import best_time, plot, print_table, summarize, verdict
-from workload.trace import (DEFAULT_TRACE, WORKLOADS, TraceError, random_arrivals, read_trace,
-                            reshape)
+from workload.trace import (DEFAULT_TRACE, SHARING, WORKLOADS, Item, TraceError, random_arrivals,
+                            read_hash_trace, read_trace, reshape, with_rate, with_sharing)
 
 MAX_REQUESTS = 200_000   # a run larger than this is cut short (with a message)
 
@@ -288,12 +289,39 @@ def azure_lengths(path: str | None = None) -> list[tuple[int, int]]:
 
 
 def requests_at(rate: float, duration: float, lengths, seed: int, max_len: int | None = None,
-                burstiness: float = 1.0) -> list[Request]:
+                burstiness: float = 1.0, sharing: str | None = None,
+                block_size: int = 16) -> list[Request]:
     """Requests arriving at `rate` for `duration` seconds (gamma inter-arrivals of shape
-    `burstiness`, 1 = Poisson), lengths drawn from `lengths`."""
+    `burstiness`, 1 = Poisson), lengths drawn from `lengths`; prompts sharing prefixes as the
+    `sharing` class (workload.trace.SHARING) says."""
     items = random_arrivals(rate, duration, lengths, seed, max_len, MAX_REQUESTS, burstiness)
-    return [Request(f"r{i}", it.prompt_len, it.output_len, it.arrival)
-            for i, it in enumerate(items)]
+    if sharing:
+        items = with_sharing(items, sharing, max_len or 10**9)
+    return as_requests(items, block_size)
+
+
+def trace_requests(items: list[Item], rate: float, duration: float,
+                   block_size: int) -> list[Request]:
+    """A trace of prefix hashes replayed at `rate` (its own burstiness kept) for `duration`."""
+    timed = with_rate(items[:MAX_REQUESTS], rate)
+    return as_requests([i for i in timed if i.arrival < duration], block_size)
+
+
+def as_requests(items: list[Item], block_size: int) -> list[Request]:
+    return [Request(f"r{i}", it.prompt_len, it.output_len, it.arrival,
+                    hashes=piece_hashes(it, block_size)) for i, it in enumerate(items)]
+
+
+def piece_hashes(it: Item, block_size: int) -> list[int]:
+    """The prefix-cache hashes of an item's full prompt blocks, from its pieces (simulated
+    requests have no tokens): a block's tokens are fixed by the pieces it overlaps and where
+    it starts in the first, and its hash chains every block before it."""
+    out, h = [], 0
+    for i in range(it.prompt_len // block_size if it.pieces else 0):
+        a, b = i * block_size, (i + 1) * block_size - 1
+        h = block_hash(h, [*it.pieces[a // it.unit:b // it.unit + 1], a % it.unit])
+        out.append(h)
+    return out
 
 
 def split_policies(text: str) -> list[str]:
@@ -307,8 +335,8 @@ def run_policy(policy: str, requests: list[Request], cost: CostModel, cfg: Engin
     with `log`, write the schedule log there."""
     cfg = replace(cfg, policy=policy, log_path=log)
     s = Scheduler.create(cfg, cost.device_blocks, cost.host_blocks)
-    fresh = requests if keep else [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival)
-                                   for r in requests]
+    fresh = requests if keep else [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival,
+                                           hashes=r.hashes) for r in requests]
     moved, busy = 0, 0.0
 
     def step_time(plan):
@@ -355,10 +383,18 @@ def parse_args(argv):
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--tbt-slo", type=float, default=0.1)
-    ap.add_argument("--trace", default=None, help="Azure-format trace for the length distribution")
+    ap.add_argument("--trace", default=None,
+                    help="Azure-format trace for the length distribution, or a .jsonl trace of "
+                         "prefix hashes (workload.trace.read_hash_trace) replayed as it arrived, "
+                         "rescaled to each rate")
+    ap.add_argument("--device-blocks", type=int, default=None,
+                    help="device KV blocks (default: what the GPU's memory holds)")
+    ap.add_argument("--prefix-caching", default="both", choices=CACHING,
+                    help="reuse cached prompt prefixes: off, device, or both tiers")
     ap.add_argument("--workload", default="conv", choices=list(WORKLOADS),
                     help="conv: the trace's lengths; prefill-heavy: prompts x4, outputs x0.1; "
-                         "decode-heavy: prompts x0.1, outputs x4")
+                         "decode-heavy: prompts x0.1, outputs x4; "
+                         + "; ".join(f"{k}: {v}" for k, v in SHARING.items()))
     ap.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of the inter-arrival times: 1 = Poisson, 0.1 = bursty "
                          "(coefficient of variation 3.2)")
@@ -389,6 +425,8 @@ def check_args(ap, args) -> None:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if args.max_len < 2:
         ap.error("--max-len must be >= 2")
+    if args.device_blocks is not None and args.device_blocks < 1:
+        ap.error("--device-blocks must be >= 1")
     try:
         args.rates = [float(r) for r in args.rates.split(",")] if args.rates else None
         args.rate_factors = [float(f) for f in args.rate_factors.split(",")]
@@ -406,13 +444,16 @@ def main(argv=None) -> None:
         cfg = EngineConfig(policy="fcfs", max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_batched_tokens,
                            xfer_budget=args.xfer_budget, ttft_slo=args.ttft_slo,
-                           tbt_slo=args.tbt_slo, swap_in_overlap=overlap)
+                           tbt_slo=args.tbt_slo, swap_in_overlap=overlap,
+                           prefix_caching=args.prefix_caching)
         for pol in args.policies:
             EngineConfig(policy=pol)
-        lengths = reshape(azure_lengths(args.trace), args.workload)
+        args.hashed = read_hash_trace(args.trace) if (args.trace or "").endswith(".jsonl") else None
+        lengths = reshape([(i.prompt_len, i.output_len) for i in args.hashed] if args.hashed
+                          else azure_lengths(args.trace), args.workload)
         hw = cpu_profile() if args.hw == "cpu" else PROFILES[args.hw]
         model = MODELS["smollm2-135m"] if args.hw == "cpu" else MODELS[args.model]
-        cost = CostModel(model, hw, cfg.block_size, tp=args.tp)
+        cost = CostModel(model, hw, cfg.block_size, args.device_blocks, tp=args.tp)
     except (ConfigError, TraceError, ValueError) as e:
         ap.error(str(e))
     rows: list[dict] = []
@@ -433,6 +474,7 @@ def settings(args, cost: CostModel, cfg: EngineConfig) -> dict:
             "burstiness": args.burstiness, "trace": os.path.basename(args.trace or DEFAULT_TRACE),
             "arrivals_s": args.duration, "seed": args.seed, "ttft_slo_s": cfg.ttft_slo,
             "tbt_slo_s": cfg.tbt_slo, "max_num_seqs": cfg.max_num_seqs,
+            "prefix_caching": cfg.prefix_caching,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "xfer_budget": cfg.xfer_budget, "swap_in_overlap": cfg.swap_in_overlap,
             "device_blocks": cost.device_blocks, "host_blocks": cost.host_blocks}
@@ -450,7 +492,12 @@ def sweep(args, cfg: EngineConfig, cost: CostModel, lengths, rows: list[dict]) -
         rates = [round(sat * f, 2) for f in args.rate_factors]
         print(f"saturation {sat:.2f} req/s -> rates {rates}")
     for rate in rates:
-        reqs = requests_at(rate, args.duration, lengths, args.seed, args.max_len, args.burstiness)
+        if args.hashed:
+            reqs = trace_requests(args.hashed, rate, args.duration, cfg.block_size)
+        else:
+            reqs = requests_at(rate, args.duration, lengths, args.seed, args.max_len,
+                               args.burstiness, args.workload if args.workload in SHARING else None,
+                               cfg.block_size)
         if len(reqs) >= MAX_REQUESTS:
             print(f"rate {rate}: capped at {MAX_REQUESTS} requests "
                   f"({reqs[-1].arrival:.0f} of {args.duration:.0f} s)")

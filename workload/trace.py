@@ -1,14 +1,17 @@
-"""Workloads the tools share: the Azure trace, gamma/Poisson arrivals, synthetic prompts.
+"""Workloads the tools share: the Azure trace, gamma/Poisson arrivals, synthetic prompts, and
+prompts that share prefixes (multi-turn conversations, a shared system prompt, traces of
+per-block prefix hashes).
 
 Pure Python (no torch): bench.py drives the real engine with these, sim.py the simulator.
 """
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +23,10 @@ class Item:
     arrival: float      # seconds from the start of the run
     prompt_len: int
     output_len: int
+    # where prompts share prefixes: the prompt as pieces of `unit` tokens, each named by an id;
+    # two prompts whose first k ids are equal have the same first k * unit tokens
+    pieces: tuple[int, ...] = ()
+    unit: int = 16
 
 
 class TraceError(ValueError):
@@ -115,6 +122,8 @@ WORKLOADS = {  # name -> (prompt x, output x): the trace's lengths reshaped into
     "conv": (1.0, 1.0),             # the conversation trace as it is
     "prefill-heavy": (4.0, 0.1),    # long prompts, a few output tokens
     "decode-heavy": (0.1, 4.0),     # short prompts, long outputs
+    "multi-turn": (1.0, 1.0),       # the trace's lengths as conversations (with_sharing)
+    "shared-prefix": (1.0, 1.0),    # the trace's lengths behind one system prompt
 }
 
 
@@ -147,22 +156,101 @@ def with_rate(items: list[Item], rate: float) -> list[Item]:
     """The same requests and arrival pattern, time-scaled to an average of `rate` requests/s."""
     span = items[-1].arrival - items[0].arrival
     scale = (len(items) - 1) / span / rate if span > 0 else 1.0
-    return [Item((i.arrival - items[0].arrival) * scale, i.prompt_len, i.output_len)
-            for i in items]
+    return [replace(i, arrival=(i.arrival - items[0].arrival) * scale) for i in items]
 
 
 def synthetic_prompts(items: list[Item], vocab: int, seed: int) -> list[list[int]]:
-    """Prompt token ids of exactly the requested lengths (ordinary tokens, no specials)."""
+    """Prompt token ids of exactly the requested lengths (ordinary tokens, no specials); an
+    item with pieces gets each piece's tokens from the piece's id, so shared pieces are shared
+    tokens."""
     rng = random.Random(seed)
     lo = min(1000, vocab // 4)
-    return [[rng.randrange(lo, vocab) for _ in range(it.prompt_len)] for it in items]
+
+    def piece(i: int, unit: int) -> list[int]:
+        r = random.Random(f"{seed}:{i}")
+        return [r.randrange(lo, vocab) for _ in range(unit)]
+    return [[t for i in it.pieces for t in piece(i, it.unit)][:it.prompt_len] if it.pieces else
+            [rng.randrange(lo, vocab) for _ in range(it.prompt_len)] for it in items]
+
+
+# ---------------------------------------------------------------- shared prefixes
+
+SHARING = {  # workload classes whose prompts share prefixes (with_sharing)
+    "multi-turn": "conversations of 4 turns, each resending the history (a shared system "
+                  "prompt, the earlier messages and stand-ins for the replies)",
+    "shared-prefix": "one system prompt of 128 tokens before every prompt",
+}
+# turns a conversation, tokens of the system prompt, tokens a piece; the think time between
+# turns, in mean gaps between requests: enough other requests arrive meanwhile that a small
+# device pool has moved on from a conversation when its next turn comes
+TURNS, SYSTEM, UNIT, THINK = 4, 64, 16, 24
+
+
+def with_sharing(items: list[Item], kind: str, max_len: int) -> list[Item]:
+    """Items of a sharing class (SHARING) made from a workload's lengths and arrivals.
+
+    multi-turn: each run of TURNS items is one conversation; turn k arrives THINK mean gaps
+    after turn k - 1 and its prompt is the SYSTEM-token system prompt, every
+    earlier user message and reply, and its own message (a quarter of the item's prompt). An
+    open-loop replay cannot know the model's replies, so the history holds stand-ins of the
+    replies' lengths: the earlier prompts are shared, the replies are computed again."""
+    ids = iter(range(1, 10**9))
+    up = lambda n: max(1, -(-n // UNIT))  # pieces for n tokens
+    if kind == "shared-prefix":
+        system = tuple(range(10**9, 10**9 + 128 // UNIT))
+        out = [replace(it, pieces=system + tuple(next(ids) for _ in range(up(it.prompt_len))))
+               for it in items]
+        out = [replace(o, prompt_len=min(len(o.pieces) * UNIT, max_len - o.output_len))
+               for o in out]
+        return out
+    gap = (items[-1].arrival - items[0].arrival) / max(1, len(items) - 1)
+    system, out = tuple(range(10**9, 10**9 + SYSTEM // UNIT)), []
+    for c in range(0, len(items), TURNS):
+        history = system
+        for k, it in enumerate(items[c:c + TURNS]):
+            history += tuple(next(ids) for _ in range(up(it.prompt_len // TURNS)))
+            if len(history) * UNIT + it.output_len > max_len:
+                break  # the conversation outgrew the context
+            out.append(Item(items[c].arrival + k * THINK * gap, len(history) * UNIT,
+                            it.output_len, history, UNIT))
+            history += tuple(next(ids) for _ in range(up(it.output_len)))
+    return sorted(out, key=lambda i: i.arrival)
+
+
+def read_hash_trace(path: str, unit: int = 512) -> list[Item]:
+    """A trace of JSON lines with timestamp (ms), input_length, output_length and hash_ids (one
+    id per `unit` prompt tokens, equal ids for equal prefixes), as production traces with
+    prefix sharing are published."""
+    if not os.path.isfile(path):
+        raise TraceError(f"{path}: no such trace file")
+    items = []
+    with open(path) as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                rec = json.loads(text)
+                it = Item(rec["timestamp"] / 1e3, int(rec["input_length"]),
+                          int(rec["output_length"]), tuple(rec["hash_ids"]), unit)
+            except (ValueError, KeyError, TypeError) as e:
+                raise TraceError(f"{path}:{line}: not a hash-trace record ({e!r})") from None
+            if it.prompt_len < 1 or it.output_len < 1 or len(it.pieces) * unit < it.prompt_len:
+                raise TraceError(f"{path}:{line}: lengths must be >= 1 and hash_ids must cover "
+                                 f"the prompt ({len(it.pieces)} x {unit} < {it.prompt_len})")
+            items.append(it)
+    if not items:
+        raise TraceError(f"{path}: no requests")
+    t0 = items[0].arrival
+    return sorted((replace(i, arrival=i.arrival - t0) for i in items), key=lambda i: i.arrival)
 
 
 # ---------------------------------------------------------------- a benchmark's workload
 
 def add_workload_flags(ap) -> None:
     """The flags that choose a benchmark's requests (bench.py, tools/serve_compare.py)."""
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Azure-format trace CSV, or 'none'")
+    ap.add_argument("--trace", default=DEFAULT_TRACE,
+                    help="Azure-format trace CSV, a .jsonl trace of prefix hashes "
+                         "(read_hash_trace), or 'none'")
     ap.add_argument("--trace-offset", type=int, default=0, help="first request of the trace slice")
     ap.add_argument("--num-requests", type=int, default=48, help="most requests a run")
     ap.add_argument("--prompt-scale", type=float, default=0.15, help="trace prompt lengths x this")
@@ -173,7 +261,8 @@ def add_workload_flags(ap) -> None:
                     help="replay the trace's own timing stretched by this factor (not calibrated)")
     ap.add_argument("--workload", default="conv", choices=list(WORKLOADS),
                     help="conv: the trace's lengths; prefill-heavy: prompts x4, outputs x0.1; "
-                         "decode-heavy: prompts x0.1, outputs x4 (before the scales below)")
+                         "decode-heavy: prompts x0.1, outputs x4 (before the scales below); "
+                         + "; ".join(f"{k}: {v}" for k, v in SHARING.items()))
     ap.add_argument("--burstiness", type=float, default=None,
                     help="gamma shape of the arrivals (1 = Poisson, 0.1 = bursty, CV 3.2); "
                          "default: the trace's own timing, Poisson for synthetic")
@@ -191,6 +280,8 @@ def build_workload(args, vocab: int, repeat: int = 0):
         items = synthetic_workload(args.num_requests, 1.0, burst, args.input_lens,
                                    args.output_lens, seed)
         text = f"synthetic: prompt lengths {args.input_lens}, output lengths {args.output_lens}"
+    elif args.trace.endswith(".jsonl"):
+        items, text = hash_trace_workload(args, offset)
     else:
         rows = read_trace(args.trace)
         fp, fo = WORKLOADS[args.workload]
@@ -205,4 +296,31 @@ def build_workload(args, vocab: int, repeat: int = 0):
             items = [Item(g.arrival, i.prompt_len, i.output_len) for g, i in zip(gamma, items)]
     if args.burstiness is not None:
         text += f"; gamma arrivals, shape {burst:g} (CV {burst ** -0.5:.1f})"
+    if args.workload in SHARING:
+        items = with_sharing(items, args.workload, args.max_len)
+        text += f"; {SHARING[args.workload]}"
     return items, synthetic_prompts(items, vocab, seed), text
+
+
+def count_requests(path: str) -> int:
+    """Requests in a trace of either format (TraceError if it is malformed)."""
+    return len(read_hash_trace(path) if path.endswith(".jsonl") else read_trace(path))
+
+
+def hash_trace_workload(args, offset: int) -> tuple[list[Item], str]:
+    """A slice of a trace of prefix hashes, its prompts scaled by shrinking each hashed piece
+    (so the sharing is kept) and capped to whole pieces."""
+    part = read_hash_trace(args.trace)[offset:offset + args.num_requests]
+    if len(part) < args.num_requests:
+        raise TraceError(f"{args.trace}: fewer than {offset + args.num_requests} requests")
+    unit = max(1, round(part[0].unit * args.prompt_scale))
+    out = []
+    for it in part:
+        n = min(args.max_len - 1, round(it.prompt_len * args.prompt_scale))
+        o = max(args.min_output, min(args.max_len - n, round(it.output_len * args.output_scale)))
+        out.append(Item(it.arrival * (args.time_scale or 1.0), max(1, n), o,
+                        it.pieces[:-(-n // unit)], unit))
+    t0 = out[0].arrival
+    return [replace(i, arrival=i.arrival - t0) for i in out], \
+        f"{os.path.basename(args.trace)} requests [{offset}, {offset + len(out)}), pieces of " \
+        f"{unit} tokens"
