@@ -35,7 +35,8 @@ from serving import client
 from superinfer import Engine, Parser, add_engine_flags, engine_config
 from tools import schedlog, sim
 from weights.loader import load_model, resolve_device
-from workload.metrics import plot, policy_of, print_spread, print_table, summarize, verdict
+from workload.metrics import (caching_of, plot, policy_of, print_spread, print_table,
+                              summarize, verdict)
 from workload.replay import OwnClock, Replay, serve, serve_interleaved
 from workload.trace import (Item, TraceError, add_workload_flags, build_workload, count_requests,
                             synthetic_prompts, with_rate)
@@ -78,7 +79,9 @@ def new_engine(label: str, args, cfg, model, tok, runs: int, rate=None, clock=No
     """An engine for one run of policy `label` ('fcfs-swap#2' too), its schedule log named by
     the run (tools/schedlog.py)."""
     log = schedlog.log_name(args.log_base, label, rate, runs) if rate is not None else None
-    return Engine(replace(cfg, policy=policy_of(label), log_path=log), model, tok, clock=clock)
+    caching = caching_of(label) or cfg.prefix_caching
+    return Engine(replace(cfg, policy=policy_of(label), prefix_caching=caching, log_path=log),
+                  model, tok, clock=clock)
 
 
 def runner(pol: str, args, cfg, model, tok, runs: int):
@@ -253,6 +256,8 @@ def parse_args(argv):
                          "use ';' between policies: 'fcfs;rotasched:alpha=1'."
                          " A policy named twice runs twice (the second labelled 'fcfs-swap#2'):"
                          " the verdict's A/A line says how far apart the machine alone puts runs."
+                         " 'rotasched@device' runs with that prefix caching (off, device,"
+                         " both), judged against 'fcfs@device'."
                          " Default: fcfs,fcfs-swap,rotasched; with --backend openai: openai")
     ap.add_argument("--rates", default=None, help="request rates (req/s); default: calibrated")
     ap.add_argument("--rate-factors", default="1.5", help="without --rates: multiples of the "
@@ -326,7 +331,8 @@ def check_args(ap, args) -> None:
     if not local:
         args.model = None  # a name on the server, not a checkpoint here
     for pol in local:
-        bench_config(ap, args, policy=policy_of(pol))
+        bench_config(ap, args, policy=policy_of(pol),
+                     prefix_caching=caching_of(pol) or args.prefix_caching)
     if args.trace != "none":
         try:
             n = count_requests(args.trace)

@@ -1,7 +1,7 @@
 """sim.py: the cost model on hand-computed cases, determinism, scheduler invariants under it."""
 import pytest
 
-from sched import Scheduler
+from sched import Request, Scheduler
 from superinfer import EngineConfig
 from test_sched import check_step
 from tools.sim import (MODELS, PROFILES, CostModel, Hardware, ModelSpec, main, requests_at,
@@ -140,3 +140,69 @@ def test_claim_sweep_writes_judged_files_and_reruns_one_policy(tmp_path, capsys)
     with pytest.raises(SystemExit):
         claim.main(args + ["--ablate", "rotasched:nope=1"])
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------- shared prefixes
+
+def test_multi_turn_conversations_resend_their_history():
+    """Each turn's pieces start with the previous turn's and a reply's stand-in; every prompt
+    fits the context; the think time puts turns of one conversation apart."""
+    from workload.trace import THINK, TURNS, random_arrivals, with_sharing
+    items = with_sharing(random_arrivals(1.0, 200, [(200, 40), (90, 12)], 3), "multi-turn", 400)
+    assert items == sorted(items, key=lambda i: i.arrival)
+    assert all(i.prompt_len + i.output_len <= 400 and i.prompt_len == 16 * len(i.pieces)
+               for i in items)
+    system = items[0].pieces[:4]
+    assert all(i.pieces[:4] == system for i in items)
+    later = [(a, b) for a in items for b in items
+             if len(b.pieces) > len(a.pieces) and b.pieces[:len(a.pieces)] == a.pieces]
+    assert later and all(b.arrival - a.arrival >= THINK * 0.5 for a, b in later)
+    assert all(b.pieces[len(a.pieces):][:-(-a.output_len // 16)] for a, b in later)
+    conversations = len({i.pieces[4] for i in items})  # by their first message
+    assert len(items) / TURNS <= conversations < len(items)
+
+
+def test_shared_pieces_are_shared_tokens_and_shared_block_hashes():
+    from tools.sim import piece_hashes
+    from workload.trace import Item, synthetic_prompts
+    a, b = Item(0.0, 40, 4, (7, 8, 9), 16), Item(1.0, 40, 4, (7, 8, 5), 16)
+    pa, pb = synthetic_prompts([a, b], 5000, 0)
+    assert pa[:32] == pb[:32] and pa[32:] != pb[32:] and len(pa) == len(pb) == 40
+    ha, hb = piece_hashes(a, 8), piece_hashes(b, 8)
+    assert len(ha) == 5 and ha[:4] == hb[:4] and ha[4] != hb[4]
+    assert piece_hashes(Item(0.0, 40, 4), 8) == []  # no pieces: nothing shared
+
+
+def test_a_hash_trace_is_read_and_a_bad_line_named(tmp_path):
+    from workload.trace import TraceError, read_hash_trace
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"timestamp": 1000, "input_length": 700, "output_length": 9, '
+                    '"hash_ids": [1, 2]}\n{"timestamp": 1500, "input_length": 300, '
+                    '"output_length": 5, "hash_ids": [1]}\n')
+    items = read_hash_trace(str(good))
+    assert [(i.arrival, i.prompt_len, i.pieces) for i in items] == [(0.0, 700, (1, 2)),
+                                                                     (0.5, 300, (1,))]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 900, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: .*cover"):
+        read_hash_trace(str(bad))
+
+
+def test_the_host_tier_keeps_prefixes_the_device_evicted_in_simulation():
+    """Multi-turn arrivals over a device pool too small to keep a conversation between turns:
+    both tiers find more of the prompts cached than the device alone, and neither changes the
+    number of requests served."""
+    cfg = EngineConfig(policy="rotasched", max_num_seqs=256, max_num_batched_tokens=4096)
+    cost = CostModel(MODELS["llama-3-8b"], PROFILES["gh200-96"], 16, device_blocks=500)
+    reqs = requests_at(4.0, 20, [(600, 40), (300, 80)], 0, 8192, sharing="multi-turn")
+    hits = {}
+    for caching in ("off", "device", "both"):
+        s = Scheduler.create(EngineConfig(**vars(cfg) | {"prefix_caching": caching}),
+                             cost.device_blocks, cost.host_blocks)
+        fresh = [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival, hashes=r.hashes)
+                 for r in reqs]
+        done, rejected = simulate(s, fresh, lambda plan: cost.step_time(plan, True, s.overlap))
+        s.bm.check()
+        assert len(done) == len(reqs) and not rejected
+        hits[caching] = s.cache_hits
+    assert hits["off"] == 0 < hits["device"] < hits["both"]

@@ -27,11 +27,12 @@ from superinfer import EngineConfig, Parser
 from tools.sim import (MODELS, PROFILES, CostModel, azure_lengths, requests_at, run_policy,
                        saturation_rate)
 from workload.metrics import harms
-from workload.trace import WORKLOADS, reshape
+from workload.trace import SHARING, WORKLOADS, reshape
 
 SETTINGS = ("gh200-96:llama-3-8b", "gh200-96:qwen2.5-32b", "gh200-144:llama-3-8b",
             "gh200-144:qwen2.5-32b")
-CLASSES = {**{w: (w, 1.0) for w in WORKLOADS}, "bursty": ("conv", 0.1)}  # -> lengths, burstiness
+CLASSES = {**{w: (w, 1.0) for w in WORKLOADS if w not in SHARING},  # -> lengths, burstiness
+           "bursty": ("conv", 0.1)}
 POLICIES = ("fcfs", "fcfs-swap", "rotasched-lvf", "rotasched", "rotasched-released")
 # best-rate TTFT gain goals (points over fcfs, over fcfs-swap): where KV capacity binds, and on
 # GH200-144 with Llama-3-8B, which is mostly compute-bound with these lengths

@@ -27,7 +27,8 @@ from sched import Request, Scheduler, StepPlan, block_hash
 from kv import CACHING
 from superinfer import ConfigError, EngineConfig, Parser
 from tools.schedlog import log_name
-from workload.metrics import best_time, plot, print_table, summarize, verdict
+from workload.metrics import (best_time, caching_of, plot, policy_of, print_table, summarize,
+                              verdict)
 from workload.trace import (DEFAULT_TRACE, SHARING, WORKLOADS, Item, TraceError, random_arrivals,
                             read_hash_trace, read_trace, reshape, with_rate, with_sharing)
 
@@ -333,7 +334,8 @@ def run_policy(policy: str, requests: list[Request], cost: CostModel, cfg: Engin
                keep: bool = False, log: str | None = None) -> dict:
     """Simulate one policy on fresh copies of `requests` (or, with keep, on those objects);
     with `log`, write the schedule log there."""
-    cfg = replace(cfg, policy=policy, log_path=log)
+    cfg = replace(cfg, policy=policy_of(policy), log_path=log,
+                  prefix_caching=caching_of(policy) or cfg.prefix_caching)
     s = Scheduler.create(cfg, cost.device_blocks, cost.host_blocks)
     fresh = requests if keep else [Request(r.rid, r.num_prompt, r.max_tokens, r.arrival,
                                            hashes=r.hashes) for r in requests]
@@ -377,7 +379,8 @@ def parse_args(argv):
     ap.add_argument("--policies",
                     default="fcfs,fcfs-swap,rotasched-lvf,rotasched,rotasched-released",
                     help="comma list; 'rotasched-lvf:alpha=1,beta_f=0.3' sets the paper's "
-                         "parameters (';' between policies then)")
+                         "parameters (';' between policies then); 'rotasched@device' runs with "
+                         "that prefix caching (off, device, both)")
     ap.add_argument("--rates", default=None, help="request rates (req/s; default: calibrated)")
     ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
@@ -447,7 +450,7 @@ def main(argv=None) -> None:
                            tbt_slo=args.tbt_slo, swap_in_overlap=overlap,
                            prefix_caching=args.prefix_caching)
         for pol in args.policies:
-            EngineConfig(policy=pol)
+            EngineConfig(policy=policy_of(pol), prefix_caching=caching_of(pol) or "off")
         args.hashed = read_hash_trace(args.trace) if (args.trace or "").endswith(".jsonl") else None
         lengths = reshape([(i.prompt_len, i.output_len) for i in args.hashed] if args.hashed
                           else azure_lengths(args.trace), args.workload)

@@ -127,6 +127,10 @@ def verdict(rows: list[dict], base: str = "fcfs") -> list[str]:
     comparable, each held or fell short against its rule (harms). Whether the runs were level
     (the machine's speed, the A/A gap of a policy run twice) comes first: a verdict on uneven
     runs says so."""
+    groups = tier_groups(rows)
+    if len(groups) > 1 or "" not in groups:
+        return [f"prefix caching {tier}: {line}" for tier, group in groups.items()
+                for line in verdict(group, base)]
     lines = []
     for rate in sorted({r["rate"] for r in rows}):
         by = {r["policy"]: r for r in rows if r["rate"] == rate}
@@ -165,8 +169,26 @@ def judge_row(rate: float, b: dict, r: dict, swap: dict | None) -> list[str]:
 
 
 def policy_of(label: str) -> str:
-    """The policy a row label names: bench.py labels a policy's second run 'fcfs-swap#2'."""
-    return label.split("#")[0]
+    """The policy a row label names: bench.py labels a policy's second run 'fcfs-swap#2', and
+    a run with its own prefix caching 'fcfs@device' (caching_of)."""
+    return label.split("#")[0].split("@")[0]
+
+
+def caching_of(label: str) -> str | None:
+    """The prefix caching a row label sets ('rotasched@both': both), or None."""
+    head = label.split("#")[0]
+    return head.split("@")[1] if "@" in head else None
+
+
+def tier_groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows by the prefix caching their labels set, each with that part of the label dropped,
+    so that 'rotasched@off' is judged against 'fcfs@off' ('' for labels that set none)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        tier = caching_of(r["policy"])
+        plain = r["policy"].replace(f"@{tier}", "") if tier else r["policy"]
+        groups.setdefault(tier or "", []).append(r | {"policy": plain})
+    return groups
 
 
 def same_policy_twice(rate: float, by: dict[str, dict]) -> list[str]:
