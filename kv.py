@@ -296,7 +296,7 @@ class BlockManager:
         for i in range(self.blocks_for(s.num_tokens)):
             b = s.kept[i] if i < len(s.kept) else None
             if b is None or self.device.kept.get(b) != (rid, i) or b not in self.device.free:
-                b = self._cached(s.hashes[i]) if i < len(s.hashes) else None
+                b = self.device.lookup(s.hashes[i]) if i < len(s.hashes) else None
             device.append(b)
         room = sum(1 for b in device if b is None or b in self.device.free)
         return Placement(device, s.host_blocks, room)
@@ -337,7 +337,7 @@ class BlockManager:
         """Where a new request's cached prefix is: the longest run of its full blocks (hashes)
         each held on the device or in the longest run held on host (host_tier). It takes the
         host run as its mirrors and copies from it the blocks the device does not hold."""
-        device = [self._cached(h) for h in hashes]
+        device = [self.device.lookup(h) for h in hashes]
         host = [self.host.lookup(h) if host_tier else None for h in hashes] + [None]
         host = host[:host.index(None)]
         n = max(len(host), device.index(None) if None in device else len(device))
@@ -370,10 +370,6 @@ class BlockManager:
         for i in range(len(s.hashes), len(hashes)):
             s.hashes.append(hashes[i])
             self.device.cache(s.block_table[i], hashes[i])
-
-    def _cached(self, h: int) -> int | None:
-        """The device block holding hash h, if one does and it may be read now."""
-        return self.device.lookup(h)
 
     def _share(self, b: int) -> None:
         self.fenced.discard(b)  # still read by a copy out: it is fenced again if freed

@@ -793,8 +793,9 @@ class Scheduler:
             if r.status is not Status.RUNNING:
                 continue  # aborted while the step ran
             r.num_computed += n
-            if self.cfg.prefix_caching != "off":  # index the blocks this step filled
-                self.bm.cache(r.rid, self.hashes(r, r.num_computed // self.bm.block_size))
+            full = r.num_computed // self.bm.block_size
+            if self.cfg.prefix_caching != "off" and full > len(self.bm.seq(r.rid).hashes):
+                self.bm.cache(r.rid, self.hashes(r, full))  # index the blocks this step filled
             if r.num_computed < r.num_tokens:
                 continue  # a prefill chunk: no token yet
             tok = sampled[r.rid]
