@@ -5,10 +5,11 @@ prompt as token ids); every streamed chunk that carries a token is timed on arri
 final chunk that only says why it finished, nor the usage chunk). So TTFT and every token gap
 are measured on the client side, the same way for our server, vLLM or SGLang. The server's
 /metrics, read before and after a run, give its rotations, recomputes and bytes moved where it
-exposes them (ours, and vLLM's preemptions). Each run sends its prompts rotated by its own
-amount (the same tokens and lengths), so a server that stays up through several runs (the
-calibration, each rate, each repeat) does not find a run's prompts in its prefix cache (vLLM's is
-on by default; ours has none): replayed prompts made vLLM's TTFT look up to 2x better.
+exposes them (ours, and vLLM's preemptions). Each run sends its prompts with a first token of
+its own (the same lengths), so a server that stays up through several runs (the calibration,
+each rate, each repeat) does not find one run's prompts in its prefix cache from another, while
+the prompts of one run that share a prefix (multi-turn, a system prompt) still share it: replayed
+prompts made vLLM's TTFT look up to 2x better.
 """
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ from workload.metrics import progress
 from workload.trace import Item
 
 
-RUNS = itertools.count()  # serve() calls so far: how far each rotates its prompts
+RUNS = itertools.count()  # serve() calls so far: each marks its prompts with its own first token
+FIRST = 1000              # the first of those tokens: an ordinary token id of any vocabulary
 
 
-def rotated(prompt: list[int], k: int) -> list[int]:
-    """The prompt starting at token k mod its length and wrapping around."""
-    k %= len(prompt) or 1
-    return prompt[k:] + prompt[:k]
+def marked(prompt: list[int], run: int) -> list[int]:
+    """The prompt with its first token replaced by the run's own."""
+    return [FIRST + run] + prompt[1:]
 
 
 def complete(base_url: str, model: str | None, prompt: list[int], max_tokens: int,
@@ -75,7 +76,9 @@ def carries_token(chunk: dict) -> bool:
 COUNTERS = {"rotations": ("superinfer_rotations",),
             "bytes_moved": tuple(f"superinfer_kv_{name}_bytes" for name in
                                  ("written_back", "rotated_out", "rotated_in")),
-            "recomputes": ("superinfer_recomputes", "vllm:num_preemptions")}
+            "recomputes": ("superinfer_recomputes", "vllm:num_preemptions"),
+            "cached_tokens": ("vllm:prefix_cache_hits",),
+            "prompt_tokens": ("vllm:prefix_cache_queries",)}
 
 
 def server_counters(base_url: str) -> dict[str, float]:
@@ -100,7 +103,7 @@ def serve(base_url: str, model: str | None, items: list[Item], prompts: list[lis
     order = sorted(range(len(items)), key=lambda i: items[i].arrival)
     before = server_counters(base_url)
     run = next(RUNS)
-    prompts = [rotated(p, run) for p in prompts]
+    prompts = [marked(p, run) for p in prompts]
     t0 = time.perf_counter() + 0.05
     records: list = [None] * len(items)
     errors: list[str] = []

@@ -403,3 +403,13 @@ def test_an_empty_prompt_is_refused_as_everywhere_and_the_schema_says_so(served)
     doc = json.loads(urllib.request.urlopen(base + "/openapi.json").read())
     prompt = json.dumps(doc["components"]["schemas"]["CompletionBody"]["properties"]["prompt"])
     assert prompt.count('"maximum": 49151') == 2 and '"minLength": 1' in prompt
+
+
+def test_the_benchmark_client_keeps_a_runs_shared_prefixes_and_no_other_runs():
+    """serving/client.py marks each run's prompts: a server that stays up finds no prompt of an
+    earlier run in its cache, and the prompts of one run that share a prefix still share it."""
+    from serving.client import marked
+    turn1, turn2 = list(range(5, 40)), list(range(5, 40)) + [7, 8, 9]
+    a, b = marked(turn1, 3), marked(turn2, 3)
+    assert len(a) == len(turn1) and b[:len(a)] == a
+    assert marked(turn1, 4)[0] != a[0] and marked(turn1, 4)[1:] == a[1:]

@@ -206,3 +206,28 @@ def test_the_host_tier_keeps_prefixes_the_device_evicted_in_simulation():
         assert len(done) == len(reqs) and not rejected
         hits[caching] = s.cache_hits
     assert hits["off"] == 0 < hits["device"] < hits["both"]
+
+
+def test_saturation_is_calibrated_on_the_requests_the_runs_replay(tmp_path):
+    """Capped at max_len as the runs are (a long-context trace calibrated uncut priced a load
+    its runs never saw), and a hash trace with its shared prefixes: what makes it cheaper to
+    serve than its lengths alone."""
+    import json
+    from tools.sim import deep_queue, saturation_rate, trace_queue
+    from workload.trace import read_hash_trace
+    lengths = [(12000, 300), (500, 40)]
+    runs = {(r.num_prompt, r.max_tokens) for r in requests_at(5.0, 60, lengths, 0, 8192)}
+    queue = {(r.num_prompt, r.max_tokens) for r in deep_queue(lengths, 0, 8192, n=50)}
+    assert queue == runs == {(8191, 1), (500, 40)}
+    path = tmp_path / "t.jsonl"
+    doc = list(range(12))  # a 6,144-token document every request reads, then its own question
+    path.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 6600,
+                                        "output_length": 50, "hash_ids": doc + [100 + i]}) + "\n"
+                            for i in range(200)))
+    items = read_hash_trace(str(path))
+    cost = CostModel(MODELS["llama-3-8b"], PROFILES["gh200-96"])
+    cfg = EngineConfig(max_num_seqs=1024, max_num_batched_tokens=8192)
+    shared = trace_queue(items, cfg.block_size)
+    assert shared[0].hashes and all(r.arrival == 0.0 for r in shared)
+    alone = deep_queue([(6600, 50)], 0, None, n=200)
+    assert saturation_rate(cost, shared, cfg) > 2 * saturation_rate(cost, alone, cfg)

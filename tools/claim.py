@@ -24,8 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from superinfer import EngineConfig, Parser
-from tools.sim import (MODELS, PROFILES, CostModel, azure_lengths, requests_at, run_policy,
-                       saturation_rate)
+from tools.sim import (MODELS, PROFILES, CostModel, azure_lengths, deep_queue, requests_at,
+                       run_policy, saturation_rate)
 from workload.metrics import harms
 from workload.trace import SHARING, WORKLOADS, reshape
 
@@ -38,6 +38,7 @@ POLICIES = ("fcfs", "fcfs-swap", "rotasched-lvf", "rotasched", "rotasched-releas
 # GH200-144 with Llama-3-8B, which is mostly compute-bound with these lengths
 GAINS = {"gh200-144:llama-3-8b": (25.0, 10.0)}
 DEFAULT_GAIN = (40.0, 10.0)
+MAX_LEN = 8192  # tokens a request holds in all; longer ones are cut, in runs and calibration
 
 
 def config() -> EngineConfig:
@@ -50,7 +51,7 @@ def run_one(job: tuple) -> dict:
     hw, model = setting.split(":")
     kind, burst = CLASSES[workload]
     cost, cfg = CostModel(MODELS[model], PROFILES[hw]), config()
-    reqs = requests_at(rate, duration, reshape(azure_lengths(), kind), seed, 8192, burst)
+    reqs = requests_at(rate, duration, reshape(azure_lengths(), kind), seed, MAX_LEN, burst)
     row = run_policy(policy, reqs, cost, cfg)
     return row | {"rate": rate, "saturation_factor": factor, "setting": setting, "hw": hw,
                   "model": model, "workload": workload, "burstiness": burst,
@@ -63,8 +64,8 @@ def run_one(job: tuple) -> dict:
 
 def saturation(setting: str, workload: str, seed: int) -> float:
     hw, model = setting.split(":")
-    lengths = reshape(azure_lengths(), CLASSES[workload][0])
-    return saturation_rate(CostModel(MODELS[model], PROFILES[hw]), lengths, seed, config())
+    queue = deep_queue(reshape(azure_lengths(), CLASSES[workload][0]), seed, MAX_LEN)
+    return saturation_rate(CostModel(MODELS[model], PROFILES[hw]), queue, config())
 
 
 def score(rows: list[dict], policy: str = "rotasched") -> dict:

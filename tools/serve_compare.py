@@ -23,6 +23,8 @@ import sys
 import time
 import urllib.request
 
+from workload.trace import WORKLOADS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "smollm2"
 WARM_UP = 18  # the trace slice (x 1,000 requests) the warm-up requests come from
@@ -75,13 +77,13 @@ def stop(proc: subprocess.Popen) -> None:
 def workload(args, rate: float, k: int):
     """Arrivals at `rate` from slice k of the trace (seed k), slices 1,000 requests apart, so
     every (round, rate) measures other requests. That no server finds a run's prompts in its
-    prefix cache is the client's doing (serving/client.py rotates each run's prompts)."""
+    prefix cache is the client's doing (serving/client.py marks each run's prompts)."""
     from workload.trace import add_workload_flags, build_workload, with_rate
     n = max(8, round(args.seconds * rate))
     ap = argparse.ArgumentParser()
     add_workload_flags(ap)
     b = ap.parse_args(["--num-requests", str(n), "--burstiness", "1", "--seed", str(k),
-                       "--trace-offset", str(k * 1000)])
+                       "--trace-offset", str(k * 1000), "--workload", args.workload])
     b.input_lens, b.output_lens = [64, 128, 256], [32, 64, 128]
     items, prompts, _ = build_workload(b, 49152, 0)
     return with_rate(items, rate), prompts
@@ -102,6 +104,7 @@ def run_server(kind: str, args, k: int, rows: list[dict]) -> None:
             row = summarize(recs, args.ttft_slo, args.tbt_slo) | stats
             rows.append(row | {"server": kind, "rate": rate, "round": k,
                                "kv_gib": args.kv_gib, "ttft_slo_s": args.ttft_slo,
+                               "workload": args.workload,
                                "ours_args": args.ours_args if kind != "vllm" else "",
                                "tbt_slo_s": args.tbt_slo})
             print(f"round {k + 1} {kind:<14} {rate:4g} req/s: " + ", ".join(
@@ -152,6 +155,9 @@ def main(argv=None) -> None:
                     help="comma-separated; an entry ours-POLICY may carry options for our "
                     "server: 'ours-fcfs,ours-fcfs --max-num-batched-tokens 2048'")
     ap.add_argument("--rates", default="1,2,4,6")
+    ap.add_argument("--workload", default="conv", choices=list(WORKLOADS),
+                    help="the requests' class (workload.trace.WORKLOADS): multi-turn and "
+                         "shared-prefix share prefixes within a run, for the servers' caches")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=40.0, help="of arrivals per rate")
     ap.add_argument("--kv-gib", type=int, default=1,

@@ -29,8 +29,9 @@ from superinfer import ConfigError, EngineConfig, Parser
 from tools.schedlog import log_name
 from workload.metrics import (best_time, caching_of, plot, policy_of, print_table, summarize,
                               verdict)
-from workload.trace import (DEFAULT_TRACE, SHARING, WORKLOADS, Item, TraceError, random_arrivals,
-                            read_hash_trace, read_trace, reshape, with_rate, with_sharing)
+from workload.trace import (DEFAULT_TRACE, SHARING, WORKLOADS, Item, TraceError, capped,
+                            random_arrivals, read_hash_trace, read_trace, reshape, with_rate,
+                            with_sharing)
 
 MAX_REQUESTS = 200_000   # a run larger than this is cut short (with a message)
 
@@ -357,15 +358,27 @@ def run_policy(policy: str, requests: list[Request], cost: CostModel, cfg: Engin
                   "mean_step_ms": 1e3 * busy / max(1, s.num_steps), "rejected": len(rejected)}
 
 
-def saturation_rate(cost: CostModel, lengths, seed: int, cfg: EngineConfig, n: int = 1000) -> float:
-    """Requests/s the simulated machine completes with a deep queue (fcfs, everyone queued at
-    once), between the 10th and the 90th percentile completion, away from ramp-up and tail."""
-    rng = random.Random(seed)
-    reqs = [Request(f"s{i}", *rng.choice(lengths), 0.0) for i in range(n)]
-    run_policy("fcfs", reqs, cost, cfg, keep=True)
-    ends = sorted(r.token_times[-1] for r in reqs if r.token_times)
+def saturation_rate(cost: CostModel, queue: list[Request], cfg: EngineConfig) -> float:
+    """Requests/s the simulated machine completes with a deep queue (fcfs, everyone in `queue`
+    there at once), between the 10th and the 90th percentile completion, away from ramp-up and
+    tail. The queue is drawn as the runs' requests are (deep_queue), so a rate is a share of
+    what the machine does with the load it is given."""
+    run_policy("fcfs", queue, cost, cfg, keep=True)
+    ends = sorted(r.token_times[-1] for r in queue if r.token_times)
     lo, hi = len(ends) // 10, len(ends) * 9 // 10
     return (hi - lo) / (ends[hi] - ends[lo])
+
+
+def deep_queue(lengths, seed: int, max_len: int | None, n: int = 1000) -> list[Request]:
+    """n requests of lengths drawn from `lengths` and capped as requests_at caps them."""
+    rng = random.Random(seed)
+    return [Request(f"s{i}", *capped(*rng.choice(lengths), max_len), 0.0) for i in range(n)]
+
+
+def trace_queue(items: list[Item], block_size: int, n: int = 1000) -> list[Request]:
+    """A hash trace's first n requests, all there at once: their shared prefixes are what
+    makes the trace cheaper (or not) to serve than its lengths alone."""
+    return as_requests([replace(i, arrival=0.0) for i in items[:n]], block_size)
 
 
 # ---------------------------------------------------------------- command line
@@ -382,7 +395,9 @@ def parse_args(argv):
                          "parameters (';' between policies then); 'rotasched@device' runs with "
                          "that prefix caching (off, device, both)")
     ap.add_argument("--rates", default=None, help="request rates (req/s; default: calibrated)")
-    ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5")
+    ap.add_argument("--rate-factors", default="0.6,0.8,1.0,1.2,1.5",
+                    help="rates as multiples of the saturation (saturation_rate) measured on "
+                         "the runs' own requests queued at once")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--tbt-slo", type=float, default=0.1)
@@ -483,15 +498,23 @@ def settings(args, cost: CostModel, cfg: EngineConfig) -> dict:
             "device_blocks": cost.device_blocks, "host_blocks": cost.host_blocks}
 
 
+def load(args) -> str:
+    if args.hashed:
+        return f"the requests of {os.path.basename(args.trace)} at their own burstiness"
+    return (f"{args.workload} lengths from the Azure trace, arrivals of burstiness "
+            f"{args.burstiness:g}")
+
+
 def sweep(args, cfg: EngineConfig, cost: CostModel, lengths, rows: list[dict]) -> None:
     print(f"simulated {args.tp} x {cost.hw.name}: {cost.m.name}, {cost.device_blocks} device / "
           f"{cost.host_blocks} host KV blocks of {cost.block_bytes / 2**20:.1f} MiB; SLOs TTFT "
-          f"{cfg.ttft_slo}s, TBT {cfg.tbt_slo * 1e3:.0f}ms; {args.workload} lengths from the Azure "
-          f"trace, arrivals of burstiness {args.burstiness:g} over {args.duration:.0f}s")
+          f"{cfg.ttft_slo}s, TBT {cfg.tbt_slo * 1e3:.0f}ms; {load(args)} over {args.duration:.0f}s")
     t = time.perf_counter()
     rates = args.rates
     if rates is None:
-        sat = saturation_rate(cost, lengths, args.seed, cfg)
+        queue = (trace_queue(args.hashed, cfg.block_size) if args.hashed
+                 else deep_queue(lengths, args.seed, args.max_len))
+        sat = saturation_rate(cost, queue, cfg)
         rates = [round(sat * f, 2) for f in args.rate_factors]
         print(f"saturation {sat:.2f} req/s -> rates {rates}")
     for rate in rates:

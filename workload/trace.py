@@ -133,6 +133,14 @@ def reshape(lengths: list[tuple[int, int]], workload: str) -> list[tuple[int, in
     return [(max(1, round(p * fp)), max(1, round(o * fo))) for p, o in lengths]
 
 
+def capped(prompt: int, output: int, max_len: int | None) -> tuple[int, int]:
+    """A request's (prompt, output) lengths within max_len tokens in all, one of each at least."""
+    if not max_len:
+        return prompt, output
+    prompt = min(prompt, max_len - 1)
+    return prompt, max(1, min(output, max_len - prompt))
+
+
 def random_arrivals(rate: float, duration: float, lengths: list[tuple[int, int]], seed: int,
                     max_len: int | None = None, max_requests: int = 10**6,
                     burstiness: float = 1.0) -> list[Item]:
@@ -143,11 +151,7 @@ def random_arrivals(rate: float, duration: float, lengths: list[tuple[int, int]]
     gap = lambda: rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     t, out = gap(), []
     while t < duration and len(out) < max_requests:
-        p, o = rng.choice(lengths)
-        if max_len:
-            p = min(p, max_len - 1)
-            o = max(1, min(o, max_len - p))
-        out.append(Item(t, p, o))
+        out.append(Item(t, *capped(*rng.choice(lengths), max_len)))
         t += gap()
     return out
 
