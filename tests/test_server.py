@@ -370,24 +370,29 @@ def test_the_bench_client_counts_tokens_and_reads_the_servers_counters(served):
 
 def test_the_bench_client_never_replays_a_prompt_a_prefix_cache_could_reuse(monkeypatch):
     """Runs against one server (calibration, each rate, each repeat) send the same arrivals: each
-    run rotates its prompts by its own amount, so no run starts a prompt as an earlier one did,
-    while every prompt keeps its tokens and its length."""
+    run marks its prompts with a first token of its own, so no run starts a prompt as an earlier
+    one did, while every prompt keeps its length and its other tokens, and the prompts of one run
+    that share a prefix (a conversation's turns) still share it."""
     from serving import client as bench_client
     from workload.trace import Item
     sent = []
     monkeypatch.setattr(bench_client, "complete",
                         lambda url, model, prompt, n, timeout: sent.append(prompt) or [0.0] * n)
     monkeypatch.setattr(bench_client, "server_counters", lambda url: {})
-    items = [Item(0.0, 40, 2) for _ in range(3)]
-    prompts = [[1000 + 50 * i + j for j in range(40)] for i in range(3)]
+    items = [Item(0.0, 40, 2), Item(0.0, 40, 2), Item(1.0, 45, 2)]
+    prompts = [[1000 + 50 * i + j for j in range(40)] for i in range(2)]
+    prompts.append(prompts[1] + [7, 8, 9, 10, 11])  # the next turn of the second conversation
     for _ in range(4):
         records, _ = bench_client.serve("http://127.0.0.1:9", None, items, prompts, "t", 5.0)
         assert [len(t) for _, t in records] == [2, 2, 2]
     assert len(sent) == 12
-    assert (sorted(tuple(sorted(p)) for p in sent)
-            == sorted(tuple(sorted(q)) for q in prompts for _ in range(4)))
-    firsts = [tuple(p[:16]) for p in sent]
-    assert len(set(firsts)) == len(firsts)
+    runs = [sent[k:k + 3] for k in range(0, 12, 3)]  # arrival order: prompts 0 and 1, then 2
+    for run in runs:
+        assert sorted(p[1:] for p in run) == sorted(q[1:] for q in prompts)
+        *first_turns, next_turn = sorted(run, key=len)
+        assert next_turn[:40] in first_turns  # it still starts as its conversation did
+    starts = [{tuple(p[:16]) for p in run} for run in runs]
+    assert all(not starts[a] & starts[b] for a in range(4) for b in range(a))
 
 
 def test_an_empty_prompt_is_refused_as_everywhere_and_the_schema_says_so(served):
@@ -404,12 +409,3 @@ def test_an_empty_prompt_is_refused_as_everywhere_and_the_schema_says_so(served)
     prompt = json.dumps(doc["components"]["schemas"]["CompletionBody"]["properties"]["prompt"])
     assert prompt.count('"maximum": 49151') == 2 and '"minLength": 1' in prompt
 
-
-def test_the_benchmark_client_keeps_a_runs_shared_prefixes_and_no_other_runs():
-    """serving/client.py marks each run's prompts: a server that stays up finds no prompt of an
-    earlier run in its cache, and the prompts of one run that share a prefix still share it."""
-    from serving.client import marked
-    turn1, turn2 = list(range(5, 40)), list(range(5, 40)) + [7, 8, 9]
-    a, b = marked(turn1, 3), marked(turn2, 3)
-    assert len(a) == len(turn1) and b[:len(a)] == a
-    assert marked(turn1, 4)[0] != a[0] and marked(turn1, 4)[1:] == a[1:]
