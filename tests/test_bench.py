@@ -235,3 +235,24 @@ def test_calibration_takes_the_median_of_three_unloaded_runs(capsys):
     assert ttft == pytest.approx(1.2) and tbt == pytest.approx(0.25)   # 10 x 0.12 s, 5 x 50 ms
     assert sat == pytest.approx(4 / 0.4)
     assert "median of 3" in capsys.readouterr().out
+
+
+def test_a_profile_trace_is_split_by_operator_kind_in_self_time(tmp_path):
+    """speed_compare --profile: an operator's time less that of the operators it calls, per
+    kind; threads apart; events that are not operators ignored. And on a real torch trace."""
+    import torch
+
+    from tools.speed_compare import trace_ops
+    op = lambda name, tid, ts, dur: {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid,
+                                     "ts": ts, "dur": dur}
+    events = [op("_C::onednn_mm", 1, 0, 10_000), op("aten::empty", 1, 1_000, 2_000),
+              op("aten::add", 2, 500, 5_000), op("aten::index_select", 1, 20_000, 3_000),
+              {"ph": "X", "cat": "user_annotation", "name": "step", "tid": 1, "ts": 0,
+               "dur": 50_000}]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    got = trace_ops(str(tmp_path / "t.json"))
+    assert got == pytest.approx({"GEMMs": 0.008, "other ops": 0.007, "KV gather": 0.003})
+    with torch.profiler.profile() as prof:
+        torch.index_select(torch.ones(64, 8), 0, torch.arange(32))
+    prof.export_chrome_trace(str(tmp_path / "real.json"))
+    assert trace_ops(str(tmp_path / "real.json"))["KV gather"] > 0

