@@ -238,11 +238,12 @@ def test_calibration_takes_the_median_of_three_unloaded_runs(capsys):
 
 
 def test_a_profile_trace_is_split_by_operator_kind_in_self_time(tmp_path):
-    """speed_compare --profile: an operator's time less that of the operators it calls, per
-    kind; threads apart; events that are not operators ignored. And on a real torch trace."""
+    """speed_compare --profile (tools/profiles.py): an operator's time less that of the operators
+    it calls, per kind; threads apart; events that are not operators ignored. And on a real
+    torch trace."""
     import torch
 
-    from tools.speed_compare import trace_ops
+    from tools.profiles import trace_ops
     op = lambda name, tid, ts, dur: {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid,
                                      "ts": ts, "dur": dur}
     events = [op("_C::onednn_mm", 1, 0, 10_000), op("aten::empty", 1, 1_000, 2_000),

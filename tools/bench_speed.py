@@ -25,6 +25,7 @@ from kv import DuplexCopier, KVPools, block_bytes, copy_merged, copy_per_layer
 from cpu import speed
 from model import Seq, make_batch
 from superinfer import Engine, EngineConfig, Parser, SamplingParams
+from tools import profiles
 from weights.loader import build_model, embedded_gguf_path, hf_reference, read_gguf
 from workload.metrics import best_time
 
@@ -133,19 +134,12 @@ def timed_call(fn, timers: dict, name: str, sync=None):
     return wrapped
 
 
-OP_KINDS = {"aten::mm": "GEMMs", "aten::addmm": "GEMMs", "aten::bmm": "GEMMs",
-            "mkldnn::_linear_pointwise": "GEMMs",
-            "aten::index_select": "KV gather", "aten::index": "KV gather",
-            "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-            "aten::_index_put_impl_": "KV write"}
-
-
 def op_kinds(prof, cuda: bool = False) -> dict:
-    """Self time per operator kind (OP_KINDS) in a torch.profiler run, in microseconds; on a GPU
-    the operators' device time."""
+    """Self time per operator kind (tools/profiles.py) in a torch.profiler run, in microseconds;
+    on a GPU the operators' device time."""
     ops: dict = {}
     for e in prof.key_averages():
-        kind = OP_KINDS.get(e.key, "other ops")
+        kind = profiles.kind(e.key)
         ops[kind] = ops.get(kind, 0.0) + (e.self_device_time_total if cuda
                                           else e.self_cpu_time_total)
     return ops

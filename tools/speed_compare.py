@@ -32,40 +32,15 @@ import subprocess
 import sys
 import time
 
+from tools.profiles import trace_ops
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = ("ours-fp32", "ours-bf16", "vllm-fp32", "vllm-bf16", "hf-cb")
-# operator -> kind, for both engines' profiles: vLLM's CPU backend reads KV in place (no gather)
-# and runs what is not a GEMM or attention through inductor's compiled kernels
-KINDS = {"mkldnn::_linear_pointwise": "GEMMs", "_C::onednn_mm": "GEMMs", "aten::mm": "GEMMs",
-         "aten::addmm": "GEMMs", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-         "_C::cpu_attention_with_kv_cache": "attention", "aten::index_select": "KV gather",
-         "aten::_index_put_impl_": "KV write", "_C::cpu_attn_reshape_and_cache": "KV write",
-         "## Call CompiledFxGraph None ##": "compiled kernels"}
 
 
 def prompts(n: int, vocab: int = 49152, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1000, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
-
-
-def trace_ops(path: str) -> dict:
-    """Seconds of operator self time by kind (KINDS; the rest 'other ops') in a chrome trace."""
-    events = [e for e in json.load(open(path))["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-    events.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
-    kinds: dict = {}
-    stack: list = []
-    for e in events:  # self time: an operator's time less that of the operators it calls
-        while stack and (stack[-1]["tid"] != e["tid"]
-                         or stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]):
-            stack.pop()
-        if stack:
-            parent = KINDS.get(stack[-1]["name"], "other ops")
-            kinds[parent] -= e["dur"] / 1e6
-        kind = KINDS.get(e["name"], "other ops")
-        kinds[kind] = kinds.get(kind, 0.0) + e["dur"] / 1e6
-        stack.append(e)
-    return kinds
 
 
 def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict,
@@ -94,16 +69,16 @@ def run_ours(ckpt: str, dtype: str, work: list[list[int]], out_len: int, samplin
 
 def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int, sampling: dict,
              profile: bool = False) -> dict:
-    import glob
+    import shutil
     import tempfile
     from vllm import LLM, SamplingParams, TokensPrompt
-    trace_dir = tempfile.mkdtemp()  # its engine process writes the trace here
-    profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir,
-                "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False}
+    trace_dir = tempfile.mkdtemp() if profile else ""  # its engine process writes traces here
+    profiler = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": trace_dir,
+                                    "torch_profiler_with_stack": False,
+                                    "torch_profiler_use_gzip": False}} if profile else {}
     t = time.perf_counter()
     llm = LLM(model=ckpt, dtype=dtype, max_model_len=1024, max_num_seqs=len(work),
-              max_num_batched_tokens=512, seed=0, **({"profiler_config": profiler} if profile
-                                                     else {}))
+              max_num_batched_tokens=512, seed=0, **profiler)
     start = time.perf_counter() - t
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True, **sampling)
     asked = [TokensPrompt(prompt_token_ids=p) for p in work]
@@ -116,14 +91,9 @@ def run_vllm(ckpt: str, dtype: str, work: list[list[int]], out_len: int, samplin
     res = {"seconds": time.perf_counter() - t, "startup_s": start,
            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
     if profile:
-        llm.stop_profile()
-        for _ in range(600):  # the engine process writes the trace after stop_profile returns
-            traces = glob.glob(f"{trace_dir}/*.pt.trace.json")
-            if traces:
-                time.sleep(2)  # let the write finish
-                res["ops"] = trace_ops(traces[0])
-                break
-            time.sleep(0.1)
+        llm.stop_profile()  # the engine process may still be writing the trace when this returns
+        res["ops"] = trace_ops(f"{trace_dir}/*.pt.trace.json", wait=60)
+        shutil.rmtree(trace_dir)
     return res
 
 
